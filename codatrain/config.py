@@ -1,0 +1,167 @@
+"""The typed schema of a training run, registered in Hydra's ConfigStore.
+
+`configs/train.yaml` composes these groups; because every node is a dataclass, a misspelled key or
+a value of the wrong type fails at composition with a message that names it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from codatrain.model.config import LlamaConfig, get_preset
+
+
+@dataclass
+class ModelConfig:
+    """A named preset (codatrain.model.config.PRESETS) with optional per-field overrides."""
+
+    preset: str = "tiny"
+    dim: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    ffn_dim: int | None = None
+    vocab_size: int | None = None
+    rope_theta: float | None = None
+    norm_eps: float | None = None
+    max_seq_len: int | None = None
+
+
+@dataclass
+class BlockConfig:
+    impl: str = "eager"  # eager | coda
+    backend: str = "auto"  # coda stages: reference | cute | auto (cute on sm_90 with the cuda extra)
+    attention: str = "auto"  # sdpa | fa4 | auto
+
+
+@dataclass
+class DataConfig:
+    source: str = "embedded"  # embedded | synthetic | files | hub
+    path: str | None = None  # files: a file, a folder or a glob; hub: the dataset name
+    name: str | None = None  # hub: dataset configuration name
+    split: str = "train"
+    text_column: str = "text"
+    streaming: bool = False
+    tokenizer: str = "byte"  # byte | a local HF tokenizer.json or folder
+    seq_len: int = 128
+    keep_document_boundaries: bool = False
+    val_fraction: float = 0.02  # held-out share of documents, when no val_path is given
+    val_path: str | None = None
+    num_workers: int = 1
+    cache_dir: str | None = None  # tokenized cache; default: <HF datasets cache>
+    shuffle: bool = True
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    schedule: str = "cosine"  # cosine | wsd | constant
+    warmup_steps: int = 20
+    decay_fraction: float = 0.2  # wsd: share of steps spent in the final decay
+    grad_clip: float = 1.0  # <= 0 disables clipping
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    tokens_per_step: int = 4096  # global batch in tokens; gradient accumulation is derived from it
+    micro_batch_size: int = 16  # sequences per process per micro-step
+    seed: int = 1337
+    device: str = "auto"  # auto | cpu | cuda
+    compile: bool = False  # torch.compile each block
+    activation_checkpointing: bool = False
+    log_every: int = 10
+    val_every: int = 100  # <= 0 disables validation
+    val_batches: int = 4
+    progress: bool = True
+    run_dir: str = "runs/${model.preset}-${block.impl}"
+    skip_nonfinite_steps: int = 0
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0  # save every N steps (0: only at the end when `at_end`)
+    at_end: bool = True
+    keep_last: int = 3
+    resume: str = "auto"  # auto | none | <path to a step_<n> directory>
+    init_from: str | None = None  # HF directory or .safetensors file to finetune from
+    save_hf_every: int = 0
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "disabled"  # disabled | offline | online
+    project: str = "codatrain"
+    entity: str | None = None
+    name: str | None = None
+
+
+@dataclass
+class LoggerConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = MISSING
+    block: BlockConfig = MISSING
+    data: DataConfig = MISSING
+    optim: OptimConfig = MISSING
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logger: LoggerConfig = MISSING
+
+
+CHOICES = {
+    "block.impl": ("eager", "coda"),
+    "block.backend": ("reference", "cute", "auto"),
+    "block.attention": ("sdpa", "fa4", "auto"),
+    "data.source": ("embedded", "synthetic", "files", "hub"),
+    "optim.schedule": ("cosine", "wsd", "constant"),
+    "train.device": ("auto", "cpu", "cuda"),
+    "logger.wandb.mode": ("disabled", "offline", "online"),
+}
+
+
+def register_configs() -> None:
+    store = ConfigStore.instance()
+    store.store(name="run_schema", node=RunConfig)
+    for group, node in [
+        ("model", ModelConfig), ("block", BlockConfig), ("data", DataConfig),
+        ("optim", OptimConfig), ("logger", LoggerConfig),
+    ]:
+        store.store(group=group, name=f"{group}_schema", node=node)
+
+
+def validate(cfg: DictConfig | RunConfig) -> None:
+    """Checks that types alone cannot express; raises ValueError naming the key."""
+    for key, allowed in CHOICES.items():
+        value = OmegaConf.select(cfg, key) if isinstance(cfg, DictConfig) else _select(cfg, key)
+        if value not in allowed:
+            raise ValueError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+    for key in ("train.steps", "train.tokens_per_step", "train.micro_batch_size", "data.seq_len"):
+        value = OmegaConf.select(cfg, key) if isinstance(cfg, DictConfig) else _select(cfg, key)
+        if value <= 0:
+            raise ValueError(f"{key} must be positive, got {value}")
+
+
+def _select(obj: Any, key: str) -> Any:
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def model_config(cfg: ModelConfig) -> LlamaConfig:
+    """Resolve the preset and apply the fields that were set."""
+    base = get_preset(cfg.preset)
+    overrides = {k: v for k, v in vars(cfg).items() if k != "preset" and v is not None}
+    return base.replace(**overrides)

@@ -1,0 +1,22 @@
+"""Model definitions: configs and presets, the eager Llama, the CODA Llama."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from codatrain.config import BlockConfig
+from codatrain.model.config import PRESETS, LlamaConfig, get_preset
+from codatrain.model.llama import Llama
+
+__all__ = ["PRESETS", "LlamaConfig", "Llama", "build_model", "get_preset"]
+
+
+def build_model(cfg: LlamaConfig, block: BlockConfig) -> nn.Module:
+    """The model for `block.impl`. Both implementations share the canonical state."""
+    if block.impl == "eager":
+        return Llama(cfg)
+    if block.impl == "coda":
+        from codatrain.model.coda import CodaLlama
+
+        return CodaLlama(cfg, backend=block.backend, attention=block.attention)
+    raise ValueError(f"block.impl={block.impl!r} is not one of eager, coda")

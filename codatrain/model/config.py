@@ -1,0 +1,96 @@
+"""Model shapes: `LlamaConfig`, its named presets, parameter counts and model FLOPs (DESIGN §6)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    rope_theta: float = 500000.0
+    norm_eps: float = 1e-5
+    max_seq_len: int = 8192
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads:
+            raise ValueError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head dim {self.head_dim} must be even for RoPE")
+        for name in ("dim", "n_layers", "ffn_dim", "vocab_size", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def qkv_dim(self) -> int:
+        """Rows of the fused QKV weight: (h_q + 2·h_kv)·d_h."""
+        return (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+
+    def replace(self, **overrides: object) -> LlamaConfig:
+        return dataclasses.replace(self, **overrides)
+
+    # ---- parameter counts -------------------------------------------------------------------
+    def layer_matmul_params(self) -> int:
+        d, hd = self.dim, self.head_dim
+        qkv = d * self.qkv_dim
+        out = self.n_heads * hd * d
+        mlp = 3 * d * self.ffn_dim
+        return qkv + out + mlp
+
+    def matmul_params(self) -> int:
+        """Parameters that take part in a matmul: every linear layer and the LM head (not the embedding)."""
+        return self.n_layers * self.layer_matmul_params() + self.dim * self.vocab_size
+
+    def num_params(self) -> int:
+        norms = (2 * self.n_layers + 1) * self.dim
+        return self.matmul_params() + self.vocab_size * self.dim + norms
+
+    # ---- FLOPs ------------------------------------------------------------------------------
+    def flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs per trained token (forward + backward), DESIGN §6.
+
+        6·N_matmul for the weight matmuls, plus 12·L·h_q·d_h·T for the attention score and value
+        matmuls. No causal discount; activation recompute is not counted.
+        """
+        attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+        return 6 * self.matmul_params() + attention
+
+
+PRESETS: dict[str, LlamaConfig] = {
+    # Trains a few hundred steps in about a minute on two CPU cores; vocab fits the byte tokenizer.
+    "tiny": LlamaConfig(
+        dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384, vocab_size=512,
+        rope_theta=10000.0, max_seq_len=1024,
+    ),
+    "llama3_125m": LlamaConfig(
+        dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_dim=2048, vocab_size=32768,
+    ),
+    "llama3_1b": LlamaConfig(
+        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, vocab_size=128256,
+    ),
+    "llama3_8b": LlamaConfig(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
+    ),
+}
+
+
+def get_preset(name: str) -> LlamaConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(PRESETS)}") from None

@@ -1,0 +1,150 @@
+"""The eager Llama: plain PyTorch modules, the baseline that `block=eager` trains.
+
+Its parameter names and layouts *are* the canonical state (HF Llama conventions with QKV and
+gate/up fused row-wise: qkv_proj = [q; k; v], gate_up_proj = [gate; up]). Every other block
+implementation converts to and from this layout, so checkpoints are shared.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from codatrain.model.config import LlamaConfig
+from codatrain.model.init import init_canonical_weights
+
+IGNORE_INDEX = -100
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Statistics in fp32 (as HF LlamaRMSNorm); the weight multiplies in the input dtype.
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape (T, head_dim) in the HF convention: angles repeated over both halves."""
+    inv_freq = 1.0 / theta ** (
+        torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim
+    )
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (j, j + d_h/2) pairs; x is (B, H, T, d_h)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.dim, cfg.qkv_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2).split(
+            [self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=1
+        )
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.dim, 2 * cfg.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CanonicalLayout:
+    """How a model's own parameters map onto the canonical state (the eager names and layouts).
+
+    Every mapping is one native tensor ↔ one canonical tensor, a rename plus an optional row
+    permutation, so it applies equally to parameters and to per-parameter optimizer state.
+    The eager model is canonical: names map to themselves and tensors are untouched.
+    """
+
+    def canonical_names(self) -> dict[str, str]:
+        return {name: name for name, _ in self.named_parameters()}  # type: ignore[attr-defined]
+
+    def to_canonical(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def from_canonical(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Llama-style init, generated per canonical tensor so every block implementation and
+        every sharding of the same seed starts from the same weights."""
+        init_canonical_weights(self, self.cfg, seed)  # type: ignore[attr-defined]
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over the targets that are not IGNORE_INDEX (fp32 math)."""
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX
+    )
+
+
+class Llama(nn.Module, CanonicalLayout):
+    """Llama decoder. `forward(tokens)` gives logits; `forward(tokens, targets)` the mean loss."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def blocks(self) -> list[nn.Module]:
+        """The modules FSDP2 shards one at a time (and that compile/checkpointing wrap)."""
+        return list(self.layers)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if tokens.shape[1] > self.cfg.max_seq_len:
+            raise ValueError(
+                f"sequence length {tokens.shape[1]} exceeds model.max_seq_len={self.cfg.max_seq_len}"
+            )
+        x = self.embed_tokens(tokens)
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        logits = self.lm_head(self.norm(x))
+        return logits if targets is None else lm_loss(logits, targets)
