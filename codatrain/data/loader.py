@@ -21,7 +21,8 @@ class TokenBatches:
     vocab_size = 256
 
     def __init__(self, batch_size: int, seq_len: int, rank: int, seed: int, device: torch.device) -> None:
-        self.batch_size, self.seq_len, self.rank, self.seed, self.device = batch_size, seq_len, rank, seed, device
+        self.batch_size, self.seq_len, self.device = batch_size, seq_len, device
+        self.rank, self.seed = rank, seed
         self.step = 0
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

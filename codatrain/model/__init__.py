@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from torch import nn
 
-from codatrain.config import BlockConfig
 from codatrain.model.config import PRESETS, LlamaConfig, get_preset
 from codatrain.model.llama import Llama
+
+if TYPE_CHECKING:
+    from codatrain.config import BlockConfig
 
 __all__ = ["PRESETS", "LlamaConfig", "Llama", "build_model", "get_preset"]
 
