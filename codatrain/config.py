@@ -6,11 +6,13 @@ a value of the wrong type fails at composition with a message that names it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from codatrain.model.config import LlamaConfig, get_preset
 
@@ -144,6 +146,11 @@ def register_configs() -> None:
 
 def validate(cfg: DictConfig | RunConfig) -> None:
     """Checks that types alone cannot express; raises ValueError naming the key."""
+    if isinstance(cfg, DictConfig):
+        try:  # keys forced in with `+key=value` bypass the schema at composition
+            OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.to_container(cfg))
+        except OmegaConfBaseException as error:
+            raise ValueError(f"invalid config: {error}") from None
     for key, allowed in CHOICES.items():
         value = OmegaConf.select(cfg, key) if isinstance(cfg, DictConfig) else _select(cfg, key)
         if value not in allowed:
@@ -163,5 +170,21 @@ def _select(obj: Any, key: str) -> Any:
 def model_config(cfg: ModelConfig) -> LlamaConfig:
     """Resolve the preset and apply the fields that were set."""
     base = get_preset(cfg.preset)
-    overrides = {k: v for k, v in vars(cfg).items() if k != "preset" and v is not None}
+    overrides = {
+        f.name: getattr(cfg, f.name)
+        for f in dataclasses.fields(ModelConfig)
+        if f.name != "preset" and getattr(cfg, f.name) is not None
+    }
     return base.replace(**overrides)
+
+
+def load_config(overrides: list[str] | None = None) -> DictConfig:
+    """Compose configs/train.yaml with command-line style overrides, as scripts/train.py does."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    config_dir = Path(__file__).resolve().parent.parent / "configs"
+    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+        return compose(config_name="train", overrides=overrides or [])

@@ -20,6 +20,9 @@ class LlamaConfig:
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
         if self.dim % self.n_heads:
             raise ValueError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
@@ -28,9 +31,6 @@ class LlamaConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head dim {self.head_dim} must be even for RoPE")
-        for name in ("dim", "n_layers", "ffn_dim", "vocab_size", "max_seq_len"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
 
     @property
     def head_dim(self) -> int:

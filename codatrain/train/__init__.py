@@ -1,0 +1,1 @@
+"""Training: distributed setup, FSDP2, optimizer and schedule, metrics, checkpointing, logging."""

@@ -1,0 +1,68 @@
+"""Process-group setup from the torchrun environment; a plain `python` run has no process group."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return dist.is_initialized()
+
+
+def resolve_device(name: str, local_rank: int) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("train.device=cuda but no CUDA device is visible")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(device_name: str) -> DistInfo:
+    """nccl on GPU, gloo on CPU, when launched by torchrun (WORLD_SIZE set); else a single process."""
+    launched = "WORLD_SIZE" in os.environ
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = resolve_device(device_name, local_rank)
+    if launched and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+    if dist.is_initialized():
+        return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), device)
+    return DistInfo(0, 0, 1, device)
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.AVG if value.is_cuda else dist.ReduceOp.SUM)
+        if not value.is_cuda:  # gloo has no AVG
+            value /= dist.get_world_size()
+    return value
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,53 @@
+"""Apply activation checkpointing, torch.compile and FSDP2 to a model from the outside.
+
+The model only has to expose `blocks()`: the modules sharded (and compiled, and checkpointed) one
+at a time. Order follows torchtitan: checkpointing, then compile, then FSDP2.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+def _replace_block(model: nn.Module, block: nn.Module, new: nn.Module) -> None:
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if child is block:
+                setattr(parent, name, new)
+                return
+    raise ValueError("block is not a submodule of the model")
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    for block in model.blocks():
+        _replace_block(model, block, checkpoint_wrapper(block))
+
+
+def apply_compile(model: nn.Module) -> None:
+    for block in model.blocks():
+        block.compile(fullgraph=False)
+
+
+def data_parallel_mesh(device: torch.device, world_size: int) -> DeviceMesh:
+    return init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: bool) -> None:
+    """fully_shard each block, then the root (embedding, final norm, head and the rest).
+
+    On GPU the policy computes in bf16 with fp32 master weights and fp32 gradient reduction.
+    """
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mixed_precision
+        else MixedPrecisionPolicy()
+    )
+    blocks = model.blocks()
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed right away by backward: keep them unsharded.
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=policy)

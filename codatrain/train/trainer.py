@@ -1,0 +1,251 @@
+"""The training loop: one code path for a plain `python` run and for N processes under torchrun."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from codatrain.config import RunConfig, model_config, validate
+from codatrain.data import build_loaders
+from codatrain.model import build_model
+from codatrain.train.distributed import (
+    DistInfo,
+    all_reduce_mean,
+    init_distributed,
+    shutdown_distributed,
+)
+from codatrain.train.logger import RunLogger
+from codatrain.train.metrics import format_mfu, peak_flops, peak_memory_gib, throughput
+from codatrain.train.optim import build_optimizer, build_scheduler
+from codatrain.train.parallelize import (
+    apply_activation_checkpointing,
+    apply_compile,
+    apply_fsdp,
+    data_parallel_mesh,
+)
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or the gradient norm stopped being finite."""
+
+
+@dataclass
+class TrainResult:
+    losses: dict[int, float] = field(default_factory=dict)  # step (1-based) -> mean loss over ranks
+    val_losses: dict[int, float] = field(default_factory=dict)
+    final_step: int = 0
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
+
+
+class Trainer:
+    def __init__(self, run: RunConfig, raw_cfg: DictConfig, dist_info: DistInfo) -> None:
+        self.run, self.dist = run, dist_info
+        device = dist_info.device
+        tcfg = run.train
+        torch.manual_seed(tcfg.seed)
+
+        self.model_cfg = model_config(run.model)
+        self.seq_len = run.data.seq_len
+        tokens_per_micro_step = tcfg.micro_batch_size * self.seq_len * dist_info.world_size
+        if tcfg.tokens_per_step % tokens_per_micro_step:
+            raise ValueError(
+                f"train.tokens_per_step={tcfg.tokens_per_step} is not a multiple of micro_batch_size × "
+                f"data.seq_len × processes = {tcfg.micro_batch_size} × {self.seq_len} × "
+                f"{dist_info.world_size} = {tokens_per_micro_step}"
+            )
+        self.grad_accum = tcfg.tokens_per_step // tokens_per_micro_step
+
+        # Build on the meta device, wrap, shard, then materialise: no process ever holds the full
+        # model, and init is drawn per canonical tensor so it is the same for any sharding.
+        with torch.device("meta"):
+            model = build_model(self.model_cfg, run.block)
+        if tcfg.activation_checkpointing:
+            apply_activation_checkpointing(model)
+        if tcfg.compile:
+            apply_compile(model)
+        if dist_info.is_distributed:
+            mesh = data_parallel_mesh(device, dist_info.world_size)
+            apply_fsdp(model, mesh, mixed_precision=device.type == "cuda")
+        model.to_empty(device=device)
+        model.init_weights(tcfg.seed)
+        self.model = model
+        # Without FSDP2 (a single plain process) a GPU still trains in bf16, through autocast.
+        self.autocast = device.type == "cuda" and not dist_info.is_distributed
+
+        self.optimizer = build_optimizer(model, run.optim, device)
+        self.scheduler = build_scheduler(self.optimizer, run.optim, tcfg.steps)
+        self.train_data, self.val_data = build_loaders(
+            run.data, tcfg.micro_batch_size, dist_info.rank, dist_info.world_size, tcfg.seed, device,
+            max_seq_len=self.model_cfg.max_seq_len,
+        )
+        if self.train_data.vocab_size > self.model_cfg.vocab_size:
+            raise ValueError(
+                f"the tokenizer's vocabulary ({self.train_data.vocab_size}) exceeds "
+                f"model.vocab_size={self.model_cfg.vocab_size}"
+            )
+
+        self.run_dir = tcfg.run_dir
+        if dist_info.is_main:
+            os.makedirs(self.run_dir, exist_ok=True)
+        self.logger = RunLogger(
+            dist_info.is_main, run.logger.wandb, raw_cfg, self.run_dir, tcfg.steps, tcfg.progress
+        )
+        self.flops_per_token = self.model_cfg.flops_per_token(self.seq_len)
+        self.peak = peak_flops(device)
+        self.step = 0
+
+    # ---- one optimizer step -------------------------------------------------------------------
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.autocast:
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def train_step(self, batches) -> tuple[float, float, float]:
+        """Forward/backward over `grad_accum` micro-batches and an optimizer step.
+
+        Returns (loss averaged over micro-batches and ranks, grad norm, seconds spent waiting for data).
+        """
+        loss_sum = torch.zeros((), device=self.dist.device)
+        data_time = 0.0
+        for _ in range(self.grad_accum):
+            t0 = time.perf_counter()
+            inputs, targets = next(batches)
+            data_time += time.perf_counter() - t0
+            with self._autocast():
+                loss = self.model(inputs, targets)
+            (loss / self.grad_accum).backward()
+            loss_sum += loss.detach()
+        clip = self.run.optim.grad_clip
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), clip if clip > 0 else float("inf")
+        )
+        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
+            grad_norm = grad_norm.full_tensor()
+        loss_mean = all_reduce_mean(loss_sum / self.grad_accum).item()
+        return loss_mean, grad_norm.item(), data_time
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over `val_batches` batches of the held-out data, the same ones each time."""
+        total = torch.zeros((), device=self.dist.device)
+        batches = iter(self.val_data)
+        for _ in range(self.run.train.val_batches):
+            inputs, targets = next(batches)
+            with self._autocast():
+                total += self.model(inputs, targets)
+        return all_reduce_mean(total / self.run.train.val_batches).item()
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def fit(self) -> TrainResult:
+        tcfg, result = self.run.train, TrainResult()
+        self.log_header()
+        if self.dist.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.dist.device)
+        batches = iter(self.train_data)
+        skipped = 0
+        window_start, window_steps, window_data = time.perf_counter(), 0, 0.0
+        run_start, run_start_step = time.perf_counter(), self.step
+        metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
+        while self.step < tcfg.steps:
+            loss, grad_norm, data_time = self.train_step(batches)
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                self.optimizer.zero_grad(set_to_none=True)
+                if skipped < tcfg.skip_nonfinite_steps:
+                    skipped += 1
+                    self.logger.info(
+                        f"step {self.step + 1}: non-finite loss {loss} / grad norm {grad_norm}; "
+                        f"skipped ({skipped}/{tcfg.skip_nonfinite_steps})"
+                    )
+                    continue
+                raise NonFiniteError(
+                    f"step {self.step + 1}: loss {loss}, grad norm {grad_norm} is not finite; stopping "
+                    f"(train.skip_nonfinite_steps={tcfg.skip_nonfinite_steps} allows skipping such steps)"
+                )
+            lr = self.scheduler.get_last_lr()[0]
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+            result.losses[self.step] = loss
+            window_steps += 1
+            window_data += data_time
+            self.logger.advance(self.step)
+
+            record = None
+            if self.step % tcfg.log_every == 0 or self.step == tcfg.steps:
+                elapsed = time.perf_counter() - window_start
+                rate = throughput(
+                    window_steps * tcfg.tokens_per_step, elapsed, self.dist.world_size,
+                    self.flops_per_token, self.peak,
+                )
+                per_step = (time.perf_counter() - run_start) / (self.step - run_start_step)
+                record = {
+                    "step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                    "tokens_per_s": rate.tokens_per_s,
+                    "tokens_per_s_per_device": rate.tokens_per_s_per_device,
+                    "tflops_per_device": rate.tflops_per_device, "mfu": rate.mfu,
+                    "step_time_s": elapsed / window_steps, "data_time_s": window_data / window_steps,
+                    "peak_memory_gib": peak_memory_gib(self.dist.device),
+                }
+                self.logger.info(
+                    f"step {self.step}/{tcfg.steps} | loss {loss:.4f} | lr {lr:.2e} | "
+                    f"gnorm {grad_norm:.3f} | "
+                    f"{rate.tokens_per_s:,.0f} tok/s ({rate.tokens_per_s_per_device:,.0f}/dev) | "
+                    f"{rate.tflops_per_device:.2f} TFLOP/s/dev | MFU {format_mfu(rate.mfu)} | "
+                    f"mem {record['peak_memory_gib']:.2f} GiB | "
+                    f"data {record['data_time_s'] * 1e3:.1f} ms/step | "
+                    f"eta {format_duration(per_step * (tcfg.steps - self.step))}"
+                )
+                window_start, window_steps, window_data = time.perf_counter(), 0, 0.0
+            if tcfg.val_every > 0 and (self.step % tcfg.val_every == 0 or self.step == tcfg.steps):
+                val_loss = self.evaluate()
+                result.val_losses[self.step] = val_loss
+                self.logger.info(f"step {self.step}/{tcfg.steps} | val loss {val_loss:.4f}")
+                record = {**(record or {"step": self.step}), "val_loss": val_loss}
+            if record is not None:
+                self.logger.log({k: v for k, v in record.items() if v is not None}, step=self.step)
+                if self.dist.is_main:
+                    with open(metrics_path, "a") as f:
+                        f.write(json.dumps(record) + "\n")
+        result.final_step = self.step
+        self.logger.info(f"done: {self.step} steps, run dir {self.run_dir}")
+        return result
+
+    def log_header(self) -> None:
+        cfg, tcfg = self.model_cfg, self.run.train
+        self.logger.info(
+            f"codatrain | block={self.run.block.impl} | {self.run.model.preset}: "
+            f"{cfg.num_params() / 1e6:.1f}M params, {self.flops_per_token / 1e9:.3f} GFLOP/token | "
+            f"{self.dist.world_size} × {self.dist.device.type} | seq {self.seq_len} × micro-batch "
+            f"{tcfg.micro_batch_size} × accum {self.grad_accum} = {tcfg.tokens_per_step} tokens/step"
+        )
+
+    def close(self) -> None:
+        self.logger.close()
+
+
+def train(cfg: DictConfig) -> TrainResult:
+    """Run a training job from a composed config (see configs/train.yaml)."""
+    validate(cfg)
+    run: RunConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    dist_info = init_distributed(run.train.device)
+    trainer = None
+    try:
+        trainer = Trainer(run, cfg, dist_info)
+        return trainer.fit()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        shutdown_distributed()

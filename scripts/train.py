@@ -1,0 +1,26 @@
+"""Train a Llama-style model.
+
+    python scripts/train.py                                   # tiny model, embedded corpus, CPU or GPU
+    torchrun --nproc_per_node=8 scripts/train.py model=llama3_1b block=coda data=files data.path=...
+
+Any config key can be overridden on the command line; see configs/train.yaml.
+"""
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from codatrain.config import register_configs
+from codatrain.train.trainer import train
+
+register_configs()
+
+
+@hydra.main(version_base=None, config_path="../configs", config_name="train")
+def main(cfg: DictConfig) -> None:
+    train(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def run_torchrun(tmp_path):
+    """Run scripts/train.py under torchrun with `nproc` CPU processes; returns the CompletedProcess."""
+
+    def run(nproc: int, overrides: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            str(REPO / "scripts" / "train.py"), *overrides,
+        ]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+        assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        return proc
+
+    return run

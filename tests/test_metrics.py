@@ -1,0 +1,42 @@
+import pytest
+import torch
+
+from codatrain.config import OptimConfig
+from codatrain.train.metrics import DENSE_BF16_PEAK_FLOPS, format_mfu, peak_flops, throughput
+from codatrain.train.optim import lr_factor
+
+
+def test_throughput_and_mfu_by_hand():
+    # 8 GPUs train 1,048,576 tokens in 2 s at 1e10 FLOP/token on a 989 TFLOP/s part.
+    rate = throughput(tokens=1_048_576, seconds=2.0, world_size=8, flops_per_token=1e10, peak=989e12)
+    assert rate.tokens_per_s == 524_288
+    assert rate.tokens_per_s_per_device == 65_536
+    assert rate.tflops_per_device == pytest.approx(655.36)
+    assert rate.mfu == pytest.approx(655.36e12 / 989e12)
+    assert format_mfu(rate.mfu) == "66.3%"
+
+
+def test_mfu_is_na_without_a_known_peak():
+    rate = throughput(tokens=1000, seconds=1.0, world_size=1, flops_per_token=1e9, peak=None)
+    assert rate.mfu is None and format_mfu(rate.mfu) == "n/a"
+    assert peak_flops(torch.device("cpu")) is None
+
+
+def test_peak_table_prefers_specific_names():
+    table = dict(DENSE_BF16_PEAK_FLOPS)
+    assert table["H200"] == table["H100"] == 989e12 and table["A100"] == 312e12
+    names = [name for name, _ in DENSE_BF16_PEAK_FLOPS]
+    assert names.index("H100 PCIe") < names.index("H100")
+    assert names.index("GH200") < names.index("H200")
+
+
+def test_schedules():
+    cos = OptimConfig(schedule="cosine", warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_factor(0, 100, cos) == pytest.approx(0.1)
+    assert lr_factor(9, 100, cos) == pytest.approx(1.0)
+    assert lr_factor(55, 100, cos) == pytest.approx(0.55)  # half-way through the cosine: midpoint
+    assert lr_factor(100, 100, cos) == pytest.approx(0.1)
+    wsd = OptimConfig(schedule="wsd", warmup_steps=10, decay_fraction=0.2, min_lr_ratio=0.0)
+    assert lr_factor(50, 100, wsd) == 1.0 and lr_factor(79, 100, wsd) == 1.0
+    assert lr_factor(90, 100, wsd) == pytest.approx(0.5)
+    assert lr_factor(99, 100, wsd) == pytest.approx(0.05)

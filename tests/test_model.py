@@ -1,0 +1,100 @@
+import pytest
+import torch
+
+from codatrain.model import Llama, get_preset
+from codatrain.model.config import LlamaConfig
+from codatrain.model.llama import IGNORE_INDEX
+
+
+def small_model(dtype=torch.float32, **overrides) -> Llama:
+    cfg = get_preset("tiny").replace(**overrides)
+    model = Llama(cfg).to(dtype)
+    model.init_weights(seed=0)
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_backward_shapes_and_dtypes(dtype):
+    model = small_model(dtype)
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 24))
+    logits = model(tokens)
+    assert logits.shape == (2, 24, model.cfg.vocab_size)
+    assert logits.dtype == dtype
+    loss = model(tokens, tokens)
+    assert loss.shape == () and loss.dtype == torch.float32 and torch.isfinite(loss)
+    loss.backward()
+    for name, param in model.named_parameters():
+        assert param.grad is not None, name
+        assert param.grad.shape == param.shape and param.grad.dtype == dtype, name
+        assert torch.isfinite(param.grad).all(), name
+
+
+def test_initial_loss_is_near_uniform():
+    model = small_model()
+    tokens = torch.randint(0, model.cfg.vocab_size, (4, 64))
+    loss = model(tokens, tokens).item()
+    assert abs(loss - torch.log(torch.tensor(model.cfg.vocab_size)).item()) < 0.1
+
+
+def test_ignore_index_targets_do_not_count():
+    model = small_model()
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 16))
+    targets = tokens.clone()
+    targets[:, 8:] = IGNORE_INDEX
+    logits = model(tokens)[:, :8]
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, :8].flatten())
+    torch.testing.assert_close(model(tokens, targets), expected)
+
+
+def test_causal():
+    model = small_model()
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 20))
+    changed = tokens.clone()
+    changed[0, 15] = (changed[0, 15] + 1) % model.cfg.vocab_size
+    torch.testing.assert_close(model(tokens)[:, :15], model(changed)[:, :15])
+    assert not torch.allclose(model(tokens)[:, 15:], model(changed)[:, 15:])
+
+
+def test_init_is_seeded_and_llama_style():
+    a, b, c = small_model(), small_model(), Llama(get_preset("tiny"))
+    c.init_weights(seed=1)
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters(), strict=True):
+        assert torch.equal(pa, pb), name
+        if "norm" in name:
+            assert torch.equal(pa, torch.ones_like(pa))
+        else:
+            assert not torch.equal(pa, pc), name
+    std = a.layers[0].mlp.gate_up_proj.weight.std().item()
+    assert abs(std - 0.02) < 0.002
+    assert a.layers[0].mlp.down_proj.weight.std().item() < 0.5 * std  # scaled by 1/sqrt(2·layers)
+
+
+def test_sequence_longer_than_model_is_an_error():
+    model = small_model(max_seq_len=16)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_param_and_flop_counts_by_hand():
+    cfg = LlamaConfig(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=100)
+    # per layer: qkv 64×(4+2+2)·16 = 8192, out 64·64 = 4096, mlp 3·64·96 = 18432 → 30720
+    assert cfg.matmul_params() == 3 * 30720 + 64 * 100
+    assert cfg.num_params() == 3 * 30720 + 64 * 100 + 100 * 64 + 7 * 64
+    assert sum(p.numel() for p in Llama(cfg).parameters()) == cfg.num_params()
+    # 6·N_matmul + 12·L·h_q·d_h·T at T = 32
+    assert cfg.flops_per_token(32) == 6 * (3 * 30720 + 6400) + 12 * 3 * 4 * 16 * 32
+
+
+def test_llama3_8b_flops_match_published_shape():
+    cfg = get_preset("llama3_8b")
+    assert round(cfg.num_params() / 1e9, 2) == 8.03
+    # 6·N_matmul ≈ 6 × 7.50e9; attention term 12·32·32·128·8192
+    assert cfg.flops_per_token(8192) == 6 * cfg.matmul_params() + 12 * 32 * 32 * 128 * 8192
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("n_heads", 5, "divisible"), ("n_kv_heads", 3, "divisible"), ("dim", -4, "positive"),
+])
+def test_bad_model_config(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        get_preset("tiny").replace(**{field: value})
