@@ -42,20 +42,25 @@ class BlockConfig:
 
 @dataclass
 class DataConfig:
+    """Where the tokens come from and how they are cut; codatrain.data.build_loaders reads it."""
+
     source: str = "embedded"  # embedded | synthetic | files | hub
     path: str | None = None  # files: a file, a folder or a glob; hub: the dataset name
     name: str | None = None  # hub: dataset configuration name
-    split: str = "train"
-    text_column: str = "text"
-    streaming: bool = False
-    tokenizer: str = "byte"  # byte | a local HF tokenizer.json or folder
+    split: str = "train"  # hub: the training split
+    streaming: bool = False  # hub: read the split as a stream (once, into the token cache)
+    text_column: str = "text"  # json / parquet / hub column holding the document text
+    text_sample_by: str = "document"  # plain-text files: a document is a whole file | paragraph | line
+    max_documents: int | None = None  # use only the first N documents of the source
+    tokenizer: str = "byte"  # byte | a local HF tokenizer.json or tokenizer folder
     seq_len: int = 128
-    keep_document_boundaries: bool = False
-    val_fraction: float = 0.02  # held-out share of documents, when no val_path is given
-    val_path: str | None = None
-    num_workers: int = 1
-    cache_dir: str | None = None  # tokenized cache; default: <HF datasets cache>
-    shuffle: bool = True
+    keep_document_boundaries: bool = False  # batches carry per-token document ids (Batch.doc_ids)
+    val_fraction: float = 0.02  # held-out share of documents, when no val_path / val_split is given
+    val_path: str | None = None  # a separate validation file, folder or glob (same formats as path)
+    val_split: str | None = None  # hub: a separate validation split, e.g. "validation"
+    num_workers: int = 1  # background DataLoader processes for training batches (0: main process)
+    cache_dir: str | None = None  # token cache (and datasets' cache); default: the HF datasets cache
+    shuffle: bool = True  # a new seeded order every epoch
 
 
 @dataclass
@@ -91,12 +96,19 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
+    """Training checkpoints in <run_dir>/checkpoints/step_<n>/ (codatrain/train/checkpoint.py)."""
+
     every: int = 0  # save every N steps (0: only at the end when `at_end`)
     at_end: bool = True
-    keep_last: int = 3
-    resume: str = "auto"  # auto | none | <path to a step_<n> directory>
-    init_from: str | None = None  # HF directory or .safetensors file to finetune from
-    save_hf_every: int = 0
+    keep_last: int = 3  # complete checkpoints kept, newest first; <= 0 keeps all
+    # auto: continue from the newest complete checkpoint of the run dir, if any (broken ones are
+    # skipped with a warning); none: start fresh (an error if the run dir has checkpoints);
+    # <path>: continue from that step_<n> directory, which must be complete.
+    resume: str = "auto"
+    # HF Llama directory or .safetensors file whose weights start a fresh run (finetuning: new
+    # optimizer, step 0). A checkpoint to resume takes precedence.
+    init_from: str | None = None
+    save_hf_every: int = 0  # also write <run_dir>/hf/step_<n>/ every N steps and at the end (0: never)
 
 
 @dataclass

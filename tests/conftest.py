@@ -4,6 +4,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# The models under test are tiny: one thread per process avoids oversubscribing CI's two cores
+# (the torchrun tests start two processes) and is faster than two threads fighting over them.
+torch.set_num_threads(1)
+os.environ["OMP_NUM_THREADS"] = "1"
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -17,8 +23,7 @@ def run_torchrun(tmp_path):
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
             str(REPO / "scripts" / "train.py"), *overrides,
         ]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
         assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
         return proc
 

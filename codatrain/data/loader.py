@@ -1,51 +1,239 @@
-"""The loader contract the trainer relies on.
+"""Training and validation loaders: sharding, epoch order, background workers and exact resume.
 
-`build_loaders` returns (train, val): iterables of (inputs, targets) LongTensor pairs of shape
-(micro_batch_size, seq_len), already on the training device, with `state_dict()` /
-`load_state_dict()` for exact resume and `vocab_size` for the model check.
+Order. Epoch e visits the windows in the permutation `order(e)`, a pure function of (seed, e).
+Every step consumes the next `batch_size · world_size` entries of it, rank r taking the r-th slice
+of `batch_size`: the ranks' batches are disjoint, together they cover the permutation, and an
+epoch ends when fewer than one global batch of windows is left (the leftover differs per epoch).
+
+State. Where training stands is `Position(epoch, offset)`: the windows consumed by all ranks in the
+epoch so far. The main process advances it as batches are handed out, not when workers read them,
+so the state is exact whatever the number of workers and their prefetching; resuming rebuilds the
+same order and continues from the offset. Because the offset counts global windows, a resume with
+another world size or micro-batch size continues the same sequence of windows, split differently.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
+import datasets
+import numpy as np
 import torch
 
 from codatrain.config import DataConfig
+from codatrain.data.packing import Batch, PackedWindows, SyntheticWindows, collate
+from codatrain.data.sources import Source, embedded_source, files_source, hub_source
+from codatrain.data.token_cache import TokenStream, tokenize_source
+from codatrain.data.tokenizer import Tokenizer, load_tokenizer
+
+# Windows in each split of the synthetic source: far more than any benchmark reads in an epoch.
+SYNTHETIC_WINDOWS = 1 << 20
 
 
-class TokenBatches:
-    """Random tokens with a learnable rule (each target is a fixed function of its input), seeded
-    per rank; used for benchmarks and until a real corpus is configured."""
+@dataclass(frozen=True)
+class Position:
+    epoch: int
+    offset: int  # windows of this epoch consumed by all ranks together
 
-    vocab_size = 256
 
-    def __init__(self, batch_size: int, seq_len: int, rank: int, seed: int, device: torch.device) -> None:
-        self.batch_size, self.seq_len, self.device = batch_size, seq_len, device
-        self.rank, self.seed = rank, seed
-        self.step = 0
+class PackedLoader:
+    """Batches of one rank, as `Batch(inputs, targets, doc_ids)` on `device`.
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        while True:
-            g = torch.Generator().manual_seed(self.seed * 100_003 + self.rank * 7919 + self.step)
-            seq = torch.randint(0, self.vocab_size, (self.batch_size, self.seq_len + 1), generator=g)
-            seq[:, 1::2] = (seq[:, 0:-1:2] * 3 + 1) % self.vocab_size
-            self.step += 1
-            yield seq[:, :-1].to(self.device), seq[:, 1:].to(self.device)
+    With `repeat` (training) iteration is endless, continues from the current position, and
+    `state_dict()` records where it stands. Without (validation) every `iter()` makes one pass over
+    epoch 0 from its first batch, so each evaluation sees the same batches; its state is unused.
+    `len()` is the number of batches per epoch.
+    """
 
-    def state_dict(self) -> dict:
-        return {"step": self.step}
+    def __init__(self, dataset: PackedWindows | SyntheticWindows, *, name: str, vocab_size: int,
+                 batch_size: int, rank: int, world_size: int, seed: int, device: torch.device,
+                 shuffle: bool, repeat: bool, num_workers: int) -> None:
+        self.dataset, self.name, self.vocab_size = dataset, name, vocab_size
+        self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
+        self.seed, self.device, self.shuffle, self.repeat = seed, device, shuffle, repeat
+        self.num_workers = num_workers
+        self.global_batch = batch_size * world_size
+        if len(dataset) < self.global_batch:
+            raise ValueError(
+                f"the {name} data has {len(dataset)} sequences of seq_len+1 tokens, fewer than one global "
+                f"batch ({batch_size} per rank x {world_size} ranks); use more data or smaller batches"
+            )
+        self.position = Position(0, 0)
+        self._generation = 0  # bumped by load_state_dict, which invalidates running iterators
 
-    def load_state_dict(self, state: dict) -> None:
-        self.step = int(state["step"])
+    def __len__(self) -> int:
+        return len(self.dataset) // self.global_batch
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The permutation of window indices that epoch `epoch` visits."""
+        if not self.shuffle:
+            return np.arange(len(self.dataset))
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
+
+    def advance(self, position: Position) -> Position:
+        """The position after one global batch from `position`."""
+        offset = position.offset + self.global_batch
+        if offset + self.global_batch > len(self.dataset):
+            return Position(position.epoch + 1, 0)
+        return Position(position.epoch, offset)
+
+    def _index_batches(self, start: Position) -> Iterator[list[int]]:
+        """This rank's window indices, batch after batch, from `start` (the DataLoader's batch sampler)."""
+        position, epoch, order = start, start.epoch, self.order(start.epoch)
+        while self.repeat or position.epoch == start.epoch:
+            if position.epoch != epoch:
+                epoch, order = position.epoch, self.order(position.epoch)
+            first = position.offset + self.rank * self.batch_size
+            yield order[first:first + self.batch_size].tolist()
+            position = self.advance(position)
+
+    def __iter__(self) -> Iterator[Batch]:
+        generation = self._generation
+        position = self.position if self.repeat else Position(0, 0)
+        # The batch sampler runs in this process; workers only read and collate the windows it names.
+        loader = torch.utils.data.DataLoader(
+            self.dataset, batch_sampler=self._index_batches(position), collate_fn=collate,
+            num_workers=self.num_workers, pin_memory=self.device.type == "cuda",
+        )
+        for batch in loader:
+            if generation != self._generation:
+                raise RuntimeError(f"the {self.name} loader's state was loaded during iteration; "
+                                   "call iter() on it again")
+            position = self.advance(position)
+            if self.repeat:
+                self.position = position
+            yield batch.to(self.device)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.position.epoch, "offset": self.position.offset, "seed": self.seed,
+                "num_windows": len(self.dataset), "seq_len": self.dataset.seq_len}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue from a `state_dict()`; iterators created before this call stop with an error."""
+        for key, current in (("num_windows", len(self.dataset)), ("seq_len", self.dataset.seq_len),
+                             ("seed", self.seed)):
+            if int(state[key]) != current:
+                raise ValueError(f"the {self.name} data state was saved with {key}={state[key]}, but this "
+                                 f"run has {key}={current}: the data or its order changed, so it cannot "
+                                 "continue exactly")
+        position = Position(int(state["epoch"]), int(state["offset"]))
+        if position.offset + self.global_batch > len(self.dataset):  # possible after a batch-size change
+            position = Position(position.epoch + 1, 0)
+        self.position = position
+        self._generation += 1
+
+
+@dataclass(frozen=True)
+class Streams:
+    """The tokenized data of a config: training stream, validation stream (if any), and tokenizer."""
+
+    tokenizer: Tokenizer
+    train: TokenStream
+    val: TokenStream | None
 
 
 def build_loaders(
-    cfg: DataConfig, batch_size: int, rank: int, world_size: int, seed: int, device: torch.device,
-    max_seq_len: int,
-) -> tuple[TokenBatches, TokenBatches]:
+    cfg: DataConfig, batch_size: int, rank: int, world_size: int, seed: int, device: torch.device | str,
+    max_seq_len: int, model_vocab_size: int,
+) -> tuple[PackedLoader, PackedLoader | None]:
+    """(train, val) loaders of this rank; val is None when no validation data is configured
+    (val_fraction 0 and neither val_path nor val_split).
+
+    Tokenizes the source on first use (cached on disk, shared by ranks and runs). Raises ValueError
+    or FileNotFoundError naming the problem for bad settings, paths, columns or sizes.
+    """
     if cfg.seq_len > max_seq_len:
         raise ValueError(f"data.seq_len={cfg.seq_len} exceeds model.max_seq_len={max_seq_len}")
-    train = TokenBatches(batch_size, cfg.seq_len, rank, seed, device)
-    val = TokenBatches(batch_size, cfg.seq_len, rank + world_size, seed + 1, device)
+    if cfg.seq_len <= 0 or batch_size <= 0:
+        raise ValueError(f"data.seq_len={cfg.seq_len} and batch_size={batch_size} must be positive")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+    if seed < 0:
+        raise ValueError(f"the data seed must be non-negative, got {seed}")
+    if not 0 <= cfg.val_fraction < 1:
+        raise ValueError(f"data.val_fraction={cfg.val_fraction} is not in [0, 1)")
+    if cfg.num_workers < 0:
+        raise ValueError(f"data.num_workers={cfg.num_workers} must be >= 0")
+    device = torch.device(device)
+
+    if cfg.source == "synthetic":
+        vocab_size = SyntheticWindows.vocab_size
+        _check_vocab(vocab_size, model_vocab_size, "synthetic")
+        train_set = SyntheticWindows(cfg.seq_len, seed, 0, SYNTHETIC_WINDOWS, cfg.keep_document_boundaries)
+        val_set = SyntheticWindows(cfg.seq_len, seed, 1, SYNTHETIC_WINDOWS, cfg.keep_document_boundaries)
+    else:
+        tokenizer = load_tokenizer(cfg.tokenizer)
+        vocab_size = tokenizer.vocab_size
+        _check_vocab(vocab_size, model_vocab_size, cfg.tokenizer)
+        streams = prepare_streams(cfg, tokenizer)
+        train_set = PackedWindows(streams.train, cfg.seq_len, cfg.keep_document_boundaries)
+        val_set = None if streams.val is None else PackedWindows(streams.val, cfg.seq_len,
+                                                                 cfg.keep_document_boundaries)
+
+    common = dict(vocab_size=vocab_size, batch_size=batch_size, rank=rank, world_size=world_size,
+                  seed=seed, device=device)
+    train = PackedLoader(train_set, name="training", shuffle=cfg.shuffle, repeat=True,
+                         num_workers=cfg.num_workers, **common)
+    # Validation reads a few batches every val_every steps: starting worker processes for each
+    # evaluation would cost more than reading them in the main process.
+    val = None if val_set is None else PackedLoader(val_set, name="validation", shuffle=False, repeat=False,
+                                                    num_workers=0, **common)
     return train, val
+
+
+def _check_vocab(vocab_size: int, model_vocab_size: int, tokenizer: str) -> None:
+    if vocab_size > model_vocab_size:
+        raise ValueError(f"tokenizer {tokenizer!r} has {vocab_size} token ids, more than model.vocab_size="
+                         f"{model_vocab_size}")
+
+
+def prepare_streams(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> Streams:
+    """The tokenized training and validation streams of a (non-synthetic) data config."""
+    if cfg.source == "synthetic":
+        raise ValueError("data.source=synthetic has no corpus to tokenize")
+    tokenizer = tokenizer or load_tokenizer(cfg.tokenizer)
+    main, val_source = _sources(cfg)
+    cache_root = Path(cfg.cache_dir or datasets.config.HF_DATASETS_CACHE) / "codatrain-tokens"
+    held_out = cfg.val_fraction if val_source is None else 0.0
+    streams = tokenize_source(main, tokenizer, cache_root, held_out)
+    if val_source is not None:
+        val = tokenize_source(val_source, tokenizer, cache_root, 0.0)["documents"]
+    else:
+        val = streams.get("held_out")
+    return Streams(tokenizer, streams["documents"], val)
+
+
+def _sources(cfg: DataConfig) -> tuple[Source, Source | None]:
+    """The training source and, when configured, a separate validation source."""
+    if cfg.source == "embedded":
+        main = embedded_source(cfg.max_documents, cfg.cache_dir)
+    elif cfg.source == "files":
+        if not cfg.path:
+            raise ValueError("data.source=files needs data.path (a file, folder or glob)")
+        main = files_source(cfg.path, cfg.text_column, cfg.text_sample_by, cfg.max_documents, cfg.cache_dir)
+    elif cfg.source == "hub":
+        if not cfg.path:
+            raise ValueError("data.source=hub needs data.path (the dataset name on the Hub)")
+        main = hub_source(cfg.path, cfg.name, cfg.split, cfg.streaming, cfg.text_column, cfg.max_documents,
+                          cfg.cache_dir)
+    else:
+        raise ValueError(f"data.source={cfg.source!r} is not one of embedded, synthetic, files, hub")
+    if cfg.val_path:
+        val = files_source(cfg.val_path, cfg.text_column, cfg.text_sample_by, None, cfg.cache_dir)
+    elif cfg.source == "hub" and cfg.val_split:
+        val = hub_source(cfg.path, cfg.name, cfg.val_split, cfg.streaming, cfg.text_column, None,
+                         cfg.cache_dir)
+    else:
+        val = None
+    return main, val
+
+
+def unigram_entropy(cfg: DataConfig) -> float:
+    """Entropy in nats per token of the training stream's token frequencies (BOS/EOS included): the
+    loss of the best model that ignores context, so a model that learns anything goes below it."""
+    tokens = prepare_streams(cfg).train.tokens
+    counts = np.bincount(tokens)
+    p = counts[counts > 0] / len(tokens)
+    return float(-(p * np.log(p)).sum())

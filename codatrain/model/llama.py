@@ -90,6 +90,16 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+# Wrappers that activation checkpointing and torch.compile put into parameter names.
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def strip_wrapper_prefixes(fqn: str) -> str:
+    for prefix in WRAPPER_PREFIXES:
+        fqn = fqn.replace(prefix, "")
+    return fqn
+
+
 class CanonicalLayout:
     """How a model's own parameters map onto the canonical state (the eager names and layouts).
 
@@ -99,7 +109,9 @@ class CanonicalLayout:
     """
 
     def canonical_names(self) -> dict[str, str]:
-        return {name: name for name, _ in self.named_parameters()}  # type: ignore[attr-defined]
+        return {
+            name: strip_wrapper_prefixes(name) for name, _ in self.named_parameters()  # type: ignore[attr-defined]
+        }
 
     def to_canonical(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         return tensor

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -15,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from codatrain.config import RunConfig, model_config, validate
 from codatrain.data import build_loaders
 from codatrain.model import build_model
+from codatrain.train.checkpoint import Checkpointer
 from codatrain.train.distributed import (
     DistInfo,
     all_reduce_mean,
@@ -88,13 +90,8 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, run.optim, tcfg.steps)
         self.train_data, self.val_data = build_loaders(
             run.data, tcfg.micro_batch_size, dist_info.rank, dist_info.world_size, tcfg.seed, device,
-            max_seq_len=self.model_cfg.max_seq_len,
+            max_seq_len=self.model_cfg.max_seq_len, model_vocab_size=self.model_cfg.vocab_size,
         )
-        if self.train_data.vocab_size > self.model_cfg.vocab_size:
-            raise ValueError(
-                f"the tokenizer's vocabulary ({self.train_data.vocab_size}) exceeds "
-                f"model.vocab_size={self.model_cfg.vocab_size}"
-            )
 
         self.run_dir = tcfg.run_dir
         if dist_info.is_main:
@@ -104,7 +101,12 @@ class Trainer:
         )
         self.flops_per_token = self.model_cfg.flops_per_token(self.seq_len)
         self.peak = peak_flops(device)
-        self.step = 0
+        # Resume (checkpoint.resume) or load init_from weights; before fit() starts the data iterators.
+        self.checkpointer = Checkpointer(
+            run.checkpoint, self.run_dir, self.model_cfg, model, self.optimizer, self.scheduler,
+            {"train": self.train_data}, log=self.logger.info,
+        )
+        self.step = self.checkpointer.restore()
 
     # ---- one optimizer step -------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -121,10 +123,10 @@ class Trainer:
         data_time = 0.0
         for _ in range(self.grad_accum):
             t0 = time.perf_counter()
-            inputs, targets = next(batches)
+            batch = next(batches)
             data_time += time.perf_counter() - t0
             with self._autocast():
-                loss = self.model(inputs, targets)
+                loss = self.model(batch.inputs, batch.targets)
             (loss / self.grad_accum).backward()
             loss_sum += loss.detach()
         clip = self.run.optim.grad_clip
@@ -138,14 +140,17 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over `val_batches` batches of the held-out data, the same ones each time."""
-        total = torch.zeros((), device=self.dist.device)
-        batches = iter(self.val_data)
-        for _ in range(self.run.train.val_batches):
-            inputs, targets = next(batches)
+        """Mean loss over the first `val_batches` batches of the held-out data (the same each time)."""
+        total, count = torch.zeros((), device=self.dist.device), 0
+        for batch in itertools.islice(self.val_data, self.run.train.val_batches):
             with self._autocast():
-                total += self.model(inputs, targets)
-        return all_reduce_mean(total / self.run.train.val_batches).item()
+                total += self.model(batch.inputs, batch.targets)
+            count += 1
+        return all_reduce_mean(total / count).item()
+
+    def validation_due(self) -> bool:
+        every, steps = self.run.train.val_every, self.run.train.steps
+        return self.val_data is not None and every > 0 and (self.step % every == 0 or self.step == steps)
 
     # ---- the loop ------------------------------------------------------------------------------
     def fit(self) -> TrainResult:
@@ -209,7 +214,7 @@ class Trainer:
                     f"eta {format_duration(per_step * (tcfg.steps - self.step))}"
                 )
                 window_start, window_steps, window_data = time.perf_counter(), 0, 0.0
-            if tcfg.val_every > 0 and (self.step % tcfg.val_every == 0 or self.step == tcfg.steps):
+            if self.validation_due():
                 val_loss = self.evaluate()
                 result.val_losses[self.step] = val_loss
                 self.logger.info(f"step {self.step}/{tcfg.steps} | val loss {val_loss:.4f}")
@@ -219,6 +224,7 @@ class Trainer:
                 if self.dist.is_main:
                     with open(metrics_path, "a") as f:
                         f.write(json.dumps(record) + "\n")
+            self.checkpointer.after_step(self.step, tcfg.steps)
         result.final_step = self.step
         self.logger.info(f"done: {self.step} steps, run dir {self.run_dir}")
         return result

@@ -1,0 +1,106 @@
+"""Packing: fixed windows of seq_len + 1 tokens over a token stream, and the batch they form.
+
+Window i of a stream is tokens[i·L : i·L + L + 1] for L = seq_len: inputs are its first L tokens,
+targets its last L. Consecutive windows share one token, so over all windows of a stream every
+token after the first is a target exactly once; the stream's last (N - 1) mod L tokens are unused.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from codatrain.data.token_cache import TokenStream
+
+
+class Batch(NamedTuple):
+    """inputs and targets: (batch, seq_len) int64; targets are inputs shifted left by one token.
+
+    doc_ids (when data.keep_document_boundaries): (batch, seq_len) int32, the index of the document
+    each input token belongs to, counted from 0 in every row. A document starts at its BOS, and its
+    EOS belongs to it. `cu_seqlens_from_doc_ids` turns it into FlashAttention's varlen form.
+    """
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    doc_ids: torch.Tensor | None = None
+
+    def to(self, device: torch.device) -> Batch:
+        """Copy to `device`; non-blocking, which overlaps the copy when the batch is in pinned memory."""
+        return Batch(*(None if t is None else t.to(device, non_blocking=True) for t in self))
+
+
+Window = tuple[np.ndarray, np.ndarray | None]
+
+
+class PackedWindows(torch.utils.data.Dataset):
+    """Map-style dataset of the windows of a `TokenStream`; item i is (window tokens, doc ids)."""
+
+    def __init__(self, stream: TokenStream, seq_len: int, with_doc_ids: bool) -> None:
+        self.stream, self.seq_len, self.with_doc_ids = stream, seq_len, with_doc_ids
+        self.num_windows = max(0, (stream.num_tokens - 1) // seq_len)
+        self._tokens: np.ndarray | None = None  # memory maps, opened once per process
+        self._doc_starts: np.ndarray | None = None
+
+    def __getstate__(self) -> dict:
+        # A pickled memmap would carry its whole content into a spawned worker; reopen it there instead.
+        return {**self.__dict__, "_tokens": None, "_doc_starts": None}
+
+    def __len__(self) -> int:
+        return self.num_windows
+
+    def __getitem__(self, i: int) -> Window:
+        if not 0 <= i < self.num_windows:
+            raise IndexError(f"window {i} of {self.num_windows}")
+        if self._tokens is None:
+            self._tokens, self._doc_starts = self.stream.tokens, self.stream.doc_starts
+        start = i * self.seq_len
+        window = self._tokens[start:start + self.seq_len + 1].astype(np.int64)
+        if not self.with_doc_ids:
+            return window, None
+        positions = np.arange(start, start + self.seq_len)
+        docs = np.searchsorted(self._doc_starts, positions, side="right") - 1
+        return window, (docs - docs[0]).astype(np.int32)
+
+
+class SyntheticWindows(torch.utils.data.Dataset):
+    """Random byte-range tokens with a learnable rule: every odd position is a fixed function of the
+    token before it, so the loss of a working model falls towards half the uniform entropy. Window i
+    is a pure function of (seed, split, i); no corpus, tokenizer or cache is involved."""
+
+    vocab_size = 256
+
+    def __init__(self, seq_len: int, seed: int, split: int, num_windows: int, with_doc_ids: bool) -> None:
+        self.seq_len, self.seed, self.split = seq_len, seed, split  # split: 0 train, 1 validation
+        self.num_windows, self.with_doc_ids = num_windows, with_doc_ids
+
+    def __len__(self) -> int:
+        return self.num_windows
+
+    def __getitem__(self, i: int) -> Window:
+        if not 0 <= i < self.num_windows:
+            raise IndexError(f"window {i} of {self.num_windows}")
+        rng = np.random.default_rng([self.seed, self.split, i])
+        window = rng.integers(0, self.vocab_size, self.seq_len + 1)
+        window[1::2] = (window[0:-1:2] * 3 + 1) % self.vocab_size
+        doc_ids = np.zeros(self.seq_len, dtype=np.int32) if self.with_doc_ids else None
+        return window, doc_ids
+
+
+def collate(windows: list[Window]) -> Batch:
+    tokens = torch.from_numpy(np.stack([w for w, _ in windows]))
+    doc_ids = None if windows[0][1] is None else torch.from_numpy(np.stack([d for _, d in windows]))
+    return Batch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), doc_ids)
+
+
+def cu_seqlens_from_doc_ids(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(cu_seqlens, max_seqlen) of the flattened batch, as FlashAttention's varlen functions take them:
+    int32 offsets of every document piece in batch·seq_len tokens (rows never share a piece)."""
+    rows, cols = doc_ids.shape
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    offsets = starts.flatten().nonzero().squeeze(1)
+    cu_seqlens = torch.cat([offsets, offsets.new_tensor([rows * cols])]).to(torch.int32)
+    return cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max())

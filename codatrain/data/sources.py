@@ -1,0 +1,140 @@
+"""Where documents come from: the embedded corpus, local files, or a Hub dataset, all via `datasets`.
+
+A `Source` is described before anything is read (`identity`, which keys the token cache, so a
+cached run never touches the files or the network) and opened only when it must be tokenized.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import datasets
+
+EMBEDDED_PATH = Path(__file__).parent / "corpus" / "python_docs.jsonl.gz"
+# The shipped bytes, checked on every read: the corpus must be identical on every machine.
+EMBEDDED_SHA256 = "10ab05063e6f8db530ec151eefdb1f6b79a6b5f2a3f717ad866cc361899e3e3d"
+
+_COMPRESSION_SUFFIXES = {".gz", ".bz2", ".xz", ".zst", ".lz4"}
+_BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
+             ".parquet": "parquet"}
+_SAMPLE_BY = ("document", "paragraph", "line")
+
+
+@dataclass(frozen=True)
+class Source:
+    """Documents of one dataset, read through `datasets.load_dataset(**load_args)`."""
+
+    kind: str  # embedded | files | hub
+    location: str  # what the user named, for messages
+    text_column: str
+    identity: dict[str, Any]
+    load_args: dict[str, Any] = field(default_factory=dict)
+    max_documents: int | None = None
+
+    def read(self, batch_size: int = 256) -> tuple[Iterator[list[str | None]], int | None]:
+        """The text column in batches, in the source's order, and the number of documents when the
+        dataset knows it (streams do not)."""
+        if self.kind == "embedded":
+            digest = hashlib.sha256(EMBEDDED_PATH.read_bytes()).hexdigest()
+            if digest != EMBEDDED_SHA256:
+                raise ValueError(f"embedded corpus {EMBEDDED_PATH} is altered: sha256 {digest}, "
+                                 f"expected {EMBEDDED_SHA256}")
+        ds = datasets.load_dataset(**self.load_args)
+        columns = ds.column_names  # None for a stream whose features are not declared
+        if columns is not None:
+            if self.text_column not in columns:
+                raise self._missing_column(columns)
+            ds = ds.select_columns([self.text_column])  # do not decode the other columns
+        if self.max_documents is not None:
+            ds = ds.take(self.max_documents)
+        total = len(ds) if isinstance(ds, datasets.Dataset) else None
+        return self._batches(ds, batch_size), total
+
+    def _batches(self, ds: datasets.Dataset | datasets.IterableDataset,
+                 batch_size: int) -> Iterator[list[str | None]]:
+        for batch in ds.iter(batch_size=batch_size):
+            if self.text_column not in batch:
+                raise self._missing_column(list(batch))
+            yield batch[self.text_column]
+
+    def _missing_column(self, columns: list[str]) -> ValueError:
+        return ValueError(f"text column {self.text_column!r} is not in {self.location} "
+                          f"(columns: {', '.join(columns)}); set data.text_column")
+
+
+def embedded_source(max_documents: int | None, cache_dir: str | None) -> Source:
+    """The shipped corpus of CPython documentation (corpus/README.md), one JSON record per document."""
+    return Source(
+        kind="embedded", location=str(EMBEDDED_PATH), text_column="text",
+        identity={"embedded": EMBEDDED_SHA256},
+        load_args={"path": "json", "data_files": str(EMBEDDED_PATH), "split": "train",
+                   "cache_dir": cache_dir},
+        max_documents=max_documents,
+    )
+
+
+def files_source(path: str, text_column: str, sample_by: str, max_documents: int | None,
+                 cache_dir: str | None) -> Source:
+    """A file, a folder (searched recursively) or a glob of .txt/.md, .json/.jsonl or .parquet files,
+    optionally compressed. Plain text becomes one row per file, paragraph or line (`sample_by`)."""
+    files = _resolve_files(path)
+    builders = {_BUILDERS.get(_format_suffix(f)) for f in files}
+    if None in builders:
+        unknown = sorted({f.name for f in files if _format_suffix(f) not in _BUILDERS})
+        raise ValueError(f"data path {path!r} has files of unknown format: {', '.join(unknown[:5])} "
+                         f"(supported: {', '.join(sorted(_BUILDERS))}, optionally compressed)")
+    if len(builders) > 1:
+        raise ValueError(f"data path {path!r} mixes formats ({', '.join(sorted(builders))}); "
+                         "point it at files of one format")
+    builder = builders.pop()
+    load_args: dict[str, Any] = {"path": builder, "data_files": [str(f) for f in files], "split": "train",
+                                 "cache_dir": cache_dir}
+    if builder == "text":
+        if sample_by not in _SAMPLE_BY:
+            raise ValueError(f"data.text_sample_by={sample_by!r} is not one of {', '.join(_SAMPLE_BY)}")
+        load_args["sample_by"] = sample_by
+        # The text builder names its only column "text".
+        text_column = "text"
+    # Size and modification time stand in for content, so an edited file is tokenized again.
+    stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    identity = {"files": stats, "builder": builder, "sample_by": sample_by if builder == "text" else None}
+    return Source("files", path, text_column, identity, load_args, max_documents)
+
+
+def hub_source(name: str, config_name: str | None, split: str, streaming: bool, text_column: str,
+               max_documents: int | None, cache_dir: str | None) -> Source:
+    """A dataset on the Hugging Face Hub. A stream is read once, into the token cache."""
+    load_args = {"path": name, "name": config_name, "split": split, "streaming": streaming,
+                 "cache_dir": cache_dir}
+    identity = {"hub": name, "name": config_name, "split": split}
+    return Source("hub", f"{name}[{split}]", text_column, identity, load_args, max_documents)
+
+
+def _format_suffix(file: Path) -> str:
+    suffixes = [s.lower() for s in file.suffixes]
+    if suffixes and suffixes[-1] in _COMPRESSION_SUFFIXES:
+        suffixes.pop()
+    return suffixes[-1] if suffixes else ""
+
+
+def _resolve_files(path: str) -> list[Path]:
+    if glob.has_magic(path):
+        files = sorted(Path(p) for p in glob.glob(path, recursive=True) if Path(p).is_file())
+        if not files:
+            raise FileNotFoundError(f"data path {path!r} matches no files")
+        return files
+    root = Path(path)
+    if not root.exists():
+        raise FileNotFoundError(f"data path {path!r} does not exist")
+    if root.is_file():
+        return [root]
+    files = sorted(p for p in root.rglob("*")
+                   if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts))
+    if not files:
+        raise ValueError(f"data path {path!r} is an empty folder")
+    return files

@@ -1,0 +1,103 @@
+"""Tokenizers: a byte-level default and any Hugging Face fast tokenizer from a local path.
+
+Both expose the same small surface: `vocab_size`, `bos_id` / `eos_id` (the document delimiters
+packing inserts), `encode_batch` and a `fingerprint` that keys the token cache, so a changed
+tokenizer never reuses tokens made by another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+# Names under which tokenizer.json files commonly carry their delimiters, most specific first.
+# Only used for a bare tokenizer.json; a folder's tokenizer_config.json names them explicitly.
+_BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "[BOS]", "<|bos|>")
+_EOS_NAMES = ("<|end_of_text|>", "</s>", "<eos>", "[EOS]", "<|endoftext|>", "<|eos|>")
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    bos_id: int | None
+    eos_id: int
+    fingerprint: str
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0..255; BOS = 256 and EOS = 257."""
+
+    vocab_size = 258
+    bos_id = 256
+    eos_id = 257
+    fingerprint = "byte-v1"
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
+
+
+class HFTokenizer:
+    """A `tokenizers` fast tokenizer, from a tokenizer.json file or a saved Hugging Face folder."""
+
+    def __init__(self, path: str | Path) -> None:
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"data.tokenizer={str(path)!r} does not exist")
+        if path.is_dir() and (path / "tokenizer_config.json").is_file():
+            self._backend, self.bos_id, eos_id = _from_folder(path)
+        else:
+            file = path / "tokenizer.json" if path.is_dir() else path
+            if not file.is_file():
+                raise FileNotFoundError(
+                    f"data.tokenizer={str(path)!r} has neither tokenizer.json nor tokenizer_config.json"
+                )
+            self._backend, self.bos_id, eos_id = _from_file(file)
+        if eos_id is None:
+            raise ValueError(
+                f"tokenizer {str(path)!r} has no end-of-text token (looked for {', '.join(_EOS_NAMES)}); "
+                "save it as a folder whose tokenizer_config.json sets eos_token"
+            )
+        self.eos_id = eos_id
+        # Packing adds BOS/EOS itself and documents must never be cut short or padded.
+        self._backend.no_truncation()
+        self._backend.no_padding()
+        self.vocab_size = max(self._backend.get_vocab(with_added_tokens=True).values()) + 1
+        digest = hashlib.sha256(self._backend.to_str().encode()).hexdigest()[:16]
+        self.fingerprint = f"hf-{digest}-bos{self.bos_id}-eos{self.eos_id}"
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        encodings = self._backend.encode_batch_fast(texts, add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.uint32) for e in encodings]
+
+
+def _from_file(file: Path) -> tuple[object, int | None, int | None]:
+    try:
+        from tokenizers import Tokenizer as Backend
+    except ImportError as e:
+        raise ImportError("a tokenizer.json needs the `tokenizers` package (pip install tokenizers)") from e
+    backend = Backend.from_file(str(file))
+    bos = next((i for i in map(backend.token_to_id, _BOS_NAMES) if i is not None), None)
+    eos = next((i for i in map(backend.token_to_id, _EOS_NAMES) if i is not None), None)
+    # GPT-2 style tokenizers have one delimiter; it then separates documents on its own.
+    return backend, (bos if bos != eos else None), eos
+
+
+def _from_folder(folder: Path) -> tuple[object, int | None, int | None]:
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as e:
+        raise ImportError("a tokenizer folder needs `transformers` (pip install transformers)") from e
+    tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    if not tok.is_fast:
+        raise ValueError(f"tokenizer {str(folder)!r} has no fast (tokenizer.json) version")
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+    return tok.backend_tokenizer, (bos if bos != eos else None), eos
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """`byte`, or a local tokenizer.json / Hugging Face tokenizer folder."""
+    return ByteTokenizer() if spec == "byte" else HFTokenizer(spec)

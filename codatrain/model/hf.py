@@ -1,0 +1,302 @@
+"""Hugging Face Llama interop: config.json, tensor names and layouts, sharded safetensors files.
+
+The canonical state (codatrain/model/llama.py) already uses HF's half-rotation RoPE and HF's
+tensor names, so the conversion only adds the `model.` prefix and splits the fused projections:
+`qkv_proj` = [q_proj; k_proj; v_proj] and `gate_up_proj` = [gate_proj; up_proj], row-wise.
+
+Weights are read and written through safetensors only, never through pickle, so an untrusted
+download cannot run code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from codatrain.model.config import LlamaConfig
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default `max_shard_size="5GB"`
+
+# Buffers that some HF checkpoints carry; they are recomputed from the config, not weights.
+_IGNORED_HF_KEYS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+
+# ---- config.json ---------------------------------------------------------------------------------
+def config_to_hf(cfg: LlamaConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """The config.json of a `LlamaForCausalLM` with the same architecture as `cfg`."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        # transformers < 5 reads `rope_theta`; transformers 5 reads `rope_parameters`.
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "initializer_range": cfg.init_std,
+        "torch_dtype": dtype_name,
+    }
+
+
+def _rope(hf: dict[str, Any]) -> tuple[str, float]:
+    """(rope type, θ) from either the transformers 5 or the transformers 4 spelling."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))  # 10000: HF LlamaConfig default
+    return rope_type, float(theta)
+
+
+def config_from_hf(hf: dict[str, Any]) -> LlamaConfig:
+    """Our LlamaConfig for an HF Llama config.json; a ValueError names what codatrain cannot run."""
+    model_type = hf.get("model_type", "llama")
+    if model_type != "llama":
+        raise ValueError(f"config.json has model_type={model_type!r}; only 'llama' checkpoints can be loaded")
+    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+    missing = [key for key in required if key not in hf]
+    if missing:
+        raise ValueError(f"config.json lacks {', '.join(missing)}")
+    problems = []
+    rope_type, theta = _rope(hf)
+    if rope_type != "default":
+        problems.append(
+            f"RoPE scaling type {rope_type!r} is not supported (codatrain implements only the "
+            "default, unscaled Llama rotation)"
+        )
+    if hf.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={hf['hidden_act']!r} is not supported (only 'silu')")
+    for key in ("attention_bias", "mlp_bias"):
+        if hf.get(key, False):
+            problems.append(f"{key}=true is not supported (codatrain's projections have no bias)")
+    n_heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
+    if head_dim * n_heads != hf["hidden_size"]:
+        problems.append(
+            f"head_dim={head_dim} × num_attention_heads={n_heads} != hidden_size={hf['hidden_size']} "
+            "(codatrain requires head_dim = hidden_size / num_attention_heads)"
+        )
+    if problems:
+        raise ValueError("unsupported Hugging Face Llama config: " + "; ".join(problems))
+    return LlamaConfig(
+        dim=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        ffn_dim=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"],
+        rope_theta=theta,
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # HF LlamaConfig defaults
+        max_seq_len=hf.get("max_position_embeddings", 2048),
+        init_std=float(hf.get("initializer_range", 0.02)),
+    )
+
+
+# ---- tensor names and layouts --------------------------------------------------------------------
+def hf_names(canonical: str) -> list[str]:
+    """The HF tensors that make up one canonical tensor, in row order."""
+    if canonical == "lm_head.weight":
+        return [canonical]
+    if canonical.endswith("self_attn.qkv_proj.weight"):
+        stem = canonical.removesuffix("qkv_proj.weight")
+        return [f"model.{stem}{p}_proj.weight" for p in ("q", "k", "v")]
+    if canonical.endswith("mlp.gate_up_proj.weight"):
+        stem = canonical.removesuffix("gate_up_proj.weight")
+        return [f"model.{stem}{p}_proj.weight" for p in ("gate", "up")]
+    return [f"model.{canonical}"]
+
+
+def hf_split_rows(canonical: str, cfg: LlamaConfig) -> list[int]:
+    """Rows of each HF part of a canonical tensor (see `hf_names`)."""
+    if canonical.endswith("self_attn.qkv_proj.weight"):
+        kv = cfg.n_kv_heads * cfg.head_dim
+        return [cfg.n_heads * cfg.head_dim, kv, kv]
+    if canonical.endswith("mlp.gate_up_proj.weight"):
+        return [cfg.ffn_dim, cfg.ffn_dim]
+    return []
+
+
+def canonical_to_hf(canonical: str, tensor: torch.Tensor, cfg: LlamaConfig) -> list[tuple[str, torch.Tensor]]:
+    """Split one canonical tensor into its HF tensors (copies, so none shares storage)."""
+    rows = hf_split_rows(canonical, cfg)
+    parts = tensor.split(rows, dim=0) if rows else [tensor]
+    return [(name, part.clone()) for name, part in zip(hf_names(canonical), parts, strict=True)]
+
+
+# ---- writing -------------------------------------------------------------------------------------
+def save_hf(
+    out_dir: str | os.PathLike,
+    cfg: LlamaConfig,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> None:
+    """Write an HF Llama directory (config.json + safetensors) from canonical (name, tensor) pairs.
+
+    `tensors` is consumed lazily and exactly once, in order, so a caller can gather one tensor at a
+    time; at most one shard of HF tensors is held in memory. One shard is written as
+    `model.safetensors`; several as `model-0000i-of-0000N.safetensors` with an index json.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[tuple[Path, list[str]]] = []  # temporary file, names in it
+    shard: dict[str, torch.Tensor] = {}
+    shard_bytes = total_bytes = 0
+    seen_dtype = None
+
+    def flush() -> None:
+        nonlocal shard, shard_bytes
+        path = out / f".shard-{len(written):05d}.tmp"
+        save_file(shard, str(path), metadata={"format": "pt"})  # transformers checks `format`
+        written.append((path, list(shard)))
+        shard, shard_bytes = {}, 0
+
+    for canonical, tensor in tensors:
+        tensor = tensor.detach().to("cpu", dtype or tensor.dtype)
+        seen_dtype = tensor.dtype
+        for name, part in canonical_to_hf(canonical, tensor, cfg):
+            size = part.numel() * part.element_size()
+            if shard and shard_bytes + size > max_shard_bytes:
+                flush()
+            shard[name] = part
+            shard_bytes += size
+            total_bytes += size
+    if shard or not written:
+        flush()
+
+    # The shard count is known only now, so files get their final names at the end.
+    for stale in [out / WEIGHTS_NAME, out / INDEX_NAME, *out.glob("model-*-of-*.safetensors")]:
+        stale.unlink(missing_ok=True)
+    weight_map = {}
+    for i, (path, names) in enumerate(written, start=1):
+        final = WEIGHTS_NAME if len(written) == 1 else f"model-{i:05d}-of-{len(written):05d}.safetensors"
+        path.rename(out / final)
+        weight_map.update(dict.fromkeys(names, final))
+    if len(written) > 1:
+        index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    hf_config = config_to_hf(cfg, seen_dtype or torch.float32)
+    (out / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2) + "\n")
+
+
+def _head(items: list[str], n: int, sep: str) -> str:
+    """The first n items joined, and how many more there are: error messages stay readable."""
+    more = f"{sep}and {len(items) - n} more" if len(items) > n else ""
+    return sep.join(items[:n]) + more
+
+
+# ---- reading -------------------------------------------------------------------------------------
+class HFCheckpoint:
+    """An HF Llama checkpoint on disk, read lazily through safetensors (memory-mapped).
+
+    `path` is a directory (config.json with model.safetensors or a sharded index) or a single
+    .safetensors file, which then carries no config.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        path = Path(path)
+        self.path = path
+        self.config: dict[str, Any] | None = None
+        if path.is_file():
+            if path.suffix != ".safetensors":
+                raise ValueError(f"{path}: only .safetensors weights can be loaded (pickle files are unsafe)")
+            files = {path}
+            self._file_of = {name: path for name in self._keys(path)}
+        elif path.is_dir():
+            if (path / CONFIG_NAME).is_file():
+                self.config = json.loads((path / CONFIG_NAME).read_text())
+            if (path / INDEX_NAME).is_file():
+                index = json.loads((path / INDEX_NAME).read_text())
+                self._file_of = {name: path / file for name, file in index["weight_map"].items()}
+                files = set(self._file_of.values())
+            elif (path / WEIGHTS_NAME).is_file():
+                files = {path / WEIGHTS_NAME}
+                self._file_of = {name: path / WEIGHTS_NAME for name in self._keys(path / WEIGHTS_NAME)}
+            else:
+                pickled = [p.name for p in path.glob("*.bin")] + [p.name for p in path.glob("*.pt*")]
+                hint = f" (found {', '.join(pickled)}: pickle formats are not loaded, convert to safetensors)"
+                raise FileNotFoundError(
+                    f"{path}: no {WEIGHTS_NAME} or {INDEX_NAME}" + (hint if pickled else "")
+                )
+        else:
+            raise FileNotFoundError(f"{path}: no such file or directory")
+        missing = sorted(str(f) for f in files if not f.is_file())
+        if missing:
+            raise FileNotFoundError(f"{path}: the index lists missing files: {', '.join(missing)}")
+        self._handles: dict[Path, Any] = {}
+
+    @staticmethod
+    def _keys(file: Path) -> list[str]:
+        with safe_open(str(file), framework="pt") as f:
+            return list(f.keys())
+
+    def _open(self, name: str) -> Any:
+        file = self._file_of[name]
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(file), framework="pt")
+        return self._handles[file]
+
+    def keys(self) -> set[str]:
+        return set(self._file_of)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._open(name).get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._open(name).get_tensor(name)
+
+    @property
+    def tied_embeddings(self) -> bool:
+        """True when the head reuses the embedding: no lm_head.weight is stored."""
+        return "lm_head.weight" not in self._file_of and bool((self.config or {}).get("tie_word_embeddings"))
+
+    def check(self, expected: dict[str, tuple[int, ...]], cfg: LlamaConfig) -> None:
+        """Raise one ValueError listing every missing, unexpected or mis-shaped tensor for a model
+        whose canonical tensors are `expected` (name → shape)."""
+        problems, wanted = [], set()
+        for canonical, shape in expected.items():
+            rows = hf_split_rows(canonical, cfg) or [shape[0]]
+            for name, n_rows in zip(hf_names(canonical), rows, strict=True):
+                wanted.add(name)
+                want = (n_rows, *shape[1:])
+                if name == "lm_head.weight" and self.tied_embeddings:
+                    continue
+                if name not in self._file_of:
+                    problems.append(f"missing {name} (expected shape {list(want)})")
+                elif self.shape(name) != want:
+                    got = list(self.shape(name))
+                    problems.append(f"{name} has shape {got}, the model expects {list(want)}")
+        unexpected = sorted(k for k in self.keys() - wanted if not _IGNORED_HF_KEYS.fullmatch(k))
+        if unexpected:
+            problems.append(f"unexpected tensors {_head(unexpected, 8, ', ')}")
+        if problems:
+            raise ValueError(f"{self.path} does not fit the model: {_head(problems, 12, '; ')}")
+
+    def canonical(self, canonical: str) -> torch.Tensor:
+        """One canonical tensor, assembled from its HF parts (`check` first for clear errors)."""
+        names = hf_names(canonical)
+        if names == ["lm_head.weight"] and self.tied_embeddings:
+            names = ["model.embed_tokens.weight"]
+        parts = [self.get(name) for name in names]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

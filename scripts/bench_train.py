@@ -1,0 +1,116 @@
+"""End-to-end training benchmark: real steps (data, optimizer, logging, FSDP2 when under torchrun)
+for several block variants of one model, each in its own process, reported side by side.
+
+    python scripts/bench_train.py --variants eager,compile,coda --steps 30 --warmup 10 \
+        -- model=llama3_1b data=synthetic data.seq_len=8192 train.micro_batch_size=4 \
+           train.tokens_per_step=32768
+
+Everything after `--` is passed to scripts/train.py for every variant. Each variant's per-step
+records (metrics.jsonl) are read back; the first `--warmup` steps are excluded and the medians of
+the rest are reported. Writes <out>/bench_train.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+VARIANTS = {
+    "eager": ["block=eager"],
+    "compile": ["block=eager", "train.compile=true"],
+    "coda": ["block=coda"],
+    "coda_reference": ["block=coda", "block.backend=reference"],
+}
+
+
+def run_variant(name: str, overrides: list[str], steps: int, out: Path, nproc: int) -> dict:
+    run_dir = out / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    metrics = run_dir / "metrics.jsonl"
+    metrics.unlink(missing_ok=True)
+    launcher = [sys.executable] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+    ]
+    cmd = [
+        *launcher, str(REPO / "scripts" / "train.py"), *VARIANTS[name], *overrides,
+        f"train.steps={steps}", "train.log_every=1", "train.val_every=0", "train.progress=false",
+        "checkpoint.at_end=false", "checkpoint.resume=none", f"train.run_dir={run_dir}",
+    ]
+    print("+", " ".join(cmd), flush=True)
+    proc = subprocess.run(cmd, cwd=REPO, env=os.environ.copy())
+    if proc.returncode != 0:
+        return {"variant": name, "error": f"exit code {proc.returncode}"}
+    with open(metrics) as f:
+        return {"variant": name, "records": [json.loads(line) for line in f]}
+
+
+def summarize(result: dict, warmup: int) -> dict:
+    if "error" in result:
+        return result
+    timed = [r for r in result["records"] if r["step"] > warmup and "step_time_s" in r]
+    if not timed:
+        return {"variant": result["variant"], "error": "no steps after warm-up"}
+    med = lambda key: statistics.median(r[key] for r in timed)
+    mfu = [r["mfu"] for r in timed if r.get("mfu") is not None]
+    return {
+        "variant": result["variant"],
+        "timed_steps": len(timed),
+        "step_time_s": med("step_time_s"),
+        "tokens_per_s_per_device": med("tokens_per_s_per_device"),
+        "tflops_per_device": med("tflops_per_device"),
+        "mfu": statistics.median(mfu) if mfu else None,
+        "peak_memory_gib": max(r["peak_memory_gib"] for r in timed),
+        "data_time_s": med("data_time_s"),
+        "final_loss": timed[-1]["loss"],
+        "losses": {r["step"]: r["loss"] for r in result["records"]},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--variants", default="eager,compile,coda", help=f"any of {', '.join(VARIANTS)}")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=10, help="steps excluded from the medians")
+    parser.add_argument("--nproc", type=int, default=1, help="processes (torchrun) per variant")
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_train")
+    parser.add_argument("overrides", nargs="*", help="scripts/train.py overrides (after --)")
+    args = parser.parse_args()
+    names = args.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}")
+    if args.warmup >= args.steps:
+        parser.error("--warmup must be smaller than --steps")
+
+    summaries = [
+        summarize(run_variant(n, args.overrides, args.steps, args.out, args.nproc), args.warmup)
+        for n in names
+    ]
+    report = {"overrides": args.overrides, "steps": args.steps, "warmup": args.warmup, "nproc": args.nproc,
+              "variants": summaries}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_train.json").write_text(json.dumps(report, indent=2))
+
+    base = next((s for s in summaries if s["variant"] == "compile" and "error" not in s), None)
+    print(f"\n{'variant':<16}{'ms/step':>10}{'tok/s/dev':>12}{'TFLOP/s':>9}{'MFU':>8}{'peak GiB':>10}"
+          f"{'vs compile':>12}")
+    for s in summaries:
+        if "error" in s:
+            print(f"{s['variant']:<16}  {s['error']}")
+            continue
+        mfu = "n/a" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%"
+        ratio = f"{s['tokens_per_s_per_device'] / base['tokens_per_s_per_device']:.3f}x" if base else "-"
+        print(f"{s['variant']:<16}{1e3 * s['step_time_s']:>10.1f}{s['tokens_per_s_per_device']:>12,.0f}"
+              f"{s['tflops_per_device']:>9.1f}{mfu:>8}{s['peak_memory_gib']:>10.2f}{ratio:>12}")
+
+
+if __name__ == "__main__":
+    main()

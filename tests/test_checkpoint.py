@@ -1,0 +1,290 @@
+"""Checkpointer on a bare model + optimizer: exact round trips, canonical layouts, completeness
+checks, pruning, and resharding from 2 FSDP2 processes (gloo) onto 1."""
+
+import json
+import os
+import pickle
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+from codatrain.config import CheckpointConfig
+from codatrain.model import Llama, get_preset
+from codatrain.model.hf import save_hf
+from codatrain.train.checkpoint import (
+    CanonicalMapping,
+    Checkpointer,
+    CheckpointError,
+    canonical_state,
+    inspect_checkpoint,
+    load_hf_weights,
+)
+from codatrain.train.parallelize import apply_activation_checkpointing
+
+CFG = get_preset("tiny").replace(n_layers=2, vocab_size=203)  # 203 rows: uneven FSDP2 shards
+
+
+class PermutedLlama(Llama):
+    """The eager model with a non-canonical layout (rows of the fused projections reversed), a
+    stand-in for CODA's interleaved layouts."""
+
+    def to_canonical(self, name, tensor):
+        return tensor.flip(0) if name.endswith(("qkv_proj.weight", "gate_up_proj.weight")) else tensor
+
+    from_canonical = to_canonical
+
+
+class Counter:
+    """A data loader's state: `offset` is global (the same on every rank), `rank` is not."""
+
+    def __init__(self, rank=0):
+        self.offset, self.rank = 0, rank
+
+    def state_dict(self):
+        return {"offset": self.offset}
+
+    def load_state_dict(self, state):
+        self.offset = state["offset"]
+
+
+class PerRank(Counter):
+    def state_dict(self):
+        return {"offset": self.offset, "rank": self.rank}
+
+
+class Run:
+    """Model, AdamW, LR schedule and loaders, as the trainer holds them."""
+
+    def __init__(self, run_dir, model_cls=Llama, shard=False, rank=0, logs=None, wrap=False, **ckpt):
+        torch.manual_seed(0)
+        self.model = model_cls(CFG)
+        self.model.init_weights(0)
+        if wrap:
+            apply_activation_checkpointing(self.model)
+        if shard:
+            from torch.distributed.fsdp import fully_shard
+
+            for block in self.model.layers:
+                fully_shard(block)
+            fully_shard(self.model)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2, weight_decay=0.1)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: 1 / (1 + s))
+        self.loaders = {"train": Counter(rank), "val": PerRank(rank)}
+        self.logs = [] if logs is None else logs
+        self.ckpt = Checkpointer(CheckpointConfig(**ckpt), run_dir, CFG, self.model, self.optimizer,
+                                 self.scheduler, self.loaders, log=self.logs.append)
+
+    def step(self):
+        loader = self.loaders["train"]
+        g = torch.Generator().manual_seed(loader.offset)
+        loader.offset += 1
+        tokens = torch.randint(0, CFG.vocab_size, (2, 17), generator=g)
+        loss = self.model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad()
+        return loss.item()
+
+    def canonical(self):
+        """Full canonical model and optimizer tensors (gathered when sharded)."""
+        tensors, _ = canonical_state(self.model, self.optimizer, CanonicalMapping(self.model))
+        return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in tensors.items()}
+
+
+def assert_same(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_resume_continues_bit_exactly(tmp_path):
+    run = Run(tmp_path)
+    assert run.ckpt.restore() == 0
+    for _ in range(3):
+        run.step()
+    run.ckpt.save(3)
+    expected = [run.step() for _ in range(3)]
+
+    resumed = Run(tmp_path)
+    assert resumed.ckpt.restore() == 3
+    assert resumed.loaders["train"].offset == 3
+    assert resumed.scheduler.last_epoch == 3
+    assert [resumed.step() for _ in range(3)] == expected
+    assert_same(resumed.canonical(), run.canonical())
+
+
+def test_layouts_share_one_canonical_checkpoint(tmp_path):
+    """A checkpoint from one layout loads into another; saving from the permuted layout stores
+    canonical tensors."""
+    eager = Run(tmp_path / "a")
+    eager.step()
+    eager.ckpt.save(1)
+    permuted = Run(tmp_path / "b", model_cls=PermutedLlama, resume=str(tmp_path / "a/checkpoints/step_1"))
+    assert permuted.ckpt.restore() == 1
+    qkv = "layers.0.self_attn.qkv_proj.weight"
+    assert torch.equal(permuted.model.get_parameter(qkv), eager.model.get_parameter(qkv).flip(0))
+    assert_same(permuted.canonical(), eager.canonical())
+    permuted.ckpt.save(1)
+    back = Run(tmp_path / "c", resume=str(tmp_path / "b/checkpoints/step_1"))
+    back.ckpt.restore()
+    assert_same(back.canonical(), eager.canonical())
+
+
+def test_wrapper_prefixes_stay_out_of_checkpoints(tmp_path):
+    wrapped = Run(tmp_path / "a", wrap=True)
+    assert any("_checkpoint_wrapped_module" in name for name, _ in wrapped.model.named_parameters())
+    wrapped.step()
+    step_dir = wrapped.ckpt.save(1)
+    plain = Run(tmp_path / "b", resume=str(step_dir))
+    assert plain.ckpt.restore() == 1
+    assert_same(plain.canonical(), wrapped.canonical())
+    assert "model.layers.0.self_attn.qkv_proj.weight" in plain.canonical()
+
+
+def test_resuming_and_importing_unpickle_nothing(tmp_path, monkeypatch):
+    run = Run(tmp_path)
+    run.step()
+    run.ckpt.save(1)
+    save_hf(tmp_path / "hf", CFG, run.model.state_dict().items())
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("something was unpickled")
+
+    for module, name in [(pickle, "load"), (pickle, "loads"), (pickle, "Unpickler"), (torch, "load")]:
+        monkeypatch.setattr(module, name, refuse)
+    assert Run(tmp_path).ckpt.restore() == 1
+    load_hf_weights(Llama(CFG), tmp_path / "hf", CFG, print)
+
+
+CORRUPTIONS = {
+    "truncated shard": lambda d: _truncate(next(d.glob("*.safetensors"))),
+    "no manifest (partial save)": lambda d: (d / "checkpoint.json").unlink(),
+    "garbage manifest": lambda d: (d / "checkpoint.json").write_text("{not json"),
+    "missing rank file": lambda d: (d / "rank_00000.json").unlink(),
+    "garbage shard header": lambda d: _overwrite_start(next(d.glob("*.safetensors"))),
+}
+
+
+def _truncate(path: Path):
+    os.truncate(path, path.stat().st_size // 2)
+
+
+def _overwrite_start(path: Path):
+    with open(path, "r+b") as f:
+        f.write(b"\xff" * 16)
+
+
+@pytest.mark.parametrize("corruption", CORRUPTIONS)
+def test_corrupted_checkpoint_is_skipped_by_auto_and_an_error_when_named(tmp_path, corruption):
+    run = Run(tmp_path, keep_last=0)
+    run.step()
+    run.ckpt.save(1)
+    run.step()
+    run.ckpt.save(2)
+    bad = tmp_path / "checkpoints/step_2"
+    CORRUPTIONS[corruption](bad)
+    with pytest.raises(CheckpointError):
+        inspect_checkpoint(bad)
+
+    auto = Run(tmp_path)
+    assert auto.ckpt.restore() == 1
+    assert any("skipping" in line and "step_2" in line for line in auto.logs)
+    with pytest.raises(CheckpointError, match="step_2"):
+        Run(tmp_path, resume=str(bad)).ckpt.restore()
+
+
+def test_interrupted_save_is_ignored_and_cleaned_up(tmp_path):
+    run = Run(tmp_path)
+    run.step()
+    run.ckpt.save(1)
+    stale = tmp_path / "checkpoints/.tmp-step_2"  # what a crash in the middle of a save leaves
+    stale.mkdir()
+    (stale / "shard-00001-model-00001-of-00001.safetensors").write_bytes(b"partial")
+    assert Run(tmp_path).ckpt.restore() == 1
+    run.step()
+    run.ckpt.save(2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1", "step_2"]
+
+
+def test_keep_last_prunes_older_checkpoints(tmp_path):
+    run = Run(tmp_path, keep_last=2)
+    for step in range(1, 5):
+        run.step()
+        run.ckpt.save(step)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_3", "step_4"]
+
+
+def test_resume_none_refuses_to_mix_with_existing_checkpoints(tmp_path):
+    run = Run(tmp_path)
+    run.step()
+    run.ckpt.save(1)
+    with pytest.raises(CheckpointError, match="resume=none"):
+        Run(tmp_path, resume="none").ckpt.restore()
+
+
+def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
+    run = Run(tmp_path)
+    run.step()
+    run.ckpt.save(1)
+    manifest_path = tmp_path / "checkpoints/step_1/checkpoint.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["model_config"]["n_layers"] = 3
+    manifest_path.write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"n_layers: 3 there, 2 here.*model\.n_layers=3"):
+        Run(tmp_path).ckpt.restore()
+
+
+# ---- 2 processes (FSDP2, gloo) -> 1 ---------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_rank_worker(rank: int, world_size: int, port: int, tmp: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        # 1 -> 2: the single-process checkpoint reshards onto 2 ranks of the permuted layout.
+        run = Run(Path(tmp) / "two", model_cls=PermutedLlama, shard=True, rank=rank,
+                  resume=str(Path(tmp) / "one/checkpoints/step_1"))
+        assert run.ckpt.restore() == 1
+        loaded = run.canonical()
+        if rank == 0:
+            save_file(loaded, str(Path(tmp) / "loaded_on_two.safetensors"))
+        run.step()
+        run.ckpt.save(2)  # 2 -> 1 below
+        trained = run.canonical()
+        if rank == 0:
+            save_file(trained, str(Path(tmp) / "saved_by_two.safetensors"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_processes_reshard_to_one_and_back(tmp_path):
+    one = Run(tmp_path / "one")
+    one.step()
+    one.ckpt.save(1)
+    mp.spawn(_two_rank_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2)
+    assert_same(load_file(tmp_path / "loaded_on_two.safetensors"), one.canonical())
+
+    ckpt = tmp_path / "two/checkpoints/step_2"
+    assert inspect_checkpoint(ckpt)["world_size"] == 2
+    assert len(list(ckpt.glob("*.safetensors"))) == 2
+    resumed = Run(tmp_path / "two")
+    assert resumed.ckpt.restore() == 2
+    assert_same(resumed.canonical(), load_file(tmp_path / "saved_by_two.safetensors"))
+    assert resumed.scheduler.last_epoch == 2
+    # The global data position carries over; the per-rank one cannot and is reported.
+    assert resumed.loaders["train"].offset == 2
+    assert resumed.loaders["val"].offset == 0
+    assert any("val data state differs per rank" in line for line in resumed.logs)
+    assert torch.isfinite(torch.tensor(resumed.step()))

@@ -1,0 +1,135 @@
+"""Packing of tokenized documents into windows, document boundaries, and the embedded corpus."""
+
+import gzip
+import hashlib
+import json
+import math
+from itertools import islice
+
+import numpy as np
+import pytest
+import torch
+
+from codatrain.config import DataConfig
+from codatrain.data import build_loaders, cu_seqlens_from_doc_ids, prepare_streams, unigram_entropy
+from codatrain.data.sources import EMBEDDED_PATH, EMBEDDED_SHA256
+from codatrain.data.token_cache import is_held_out
+
+BOS, EOS = 256, 257
+DOCS = ["hello world", "", "ab", "the quick brown fox jumps over the lazy dog", "é ü", "x" * 30]
+
+
+def write_jsonl(path, docs, column="text"):
+    path.write_text("".join(json.dumps({column: d}) + "\n" for d in docs))
+    return path
+
+
+def expected_stream(docs):
+    out = []
+    for d in docs:
+        if d:
+            out += [BOS, *d.encode(), EOS]
+    return np.array(out)
+
+
+def loaders(tmp_path, docs=DOCS, seq_len=5, **overrides):
+    cfg = DataConfig(source="files", path=str(write_jsonl(tmp_path / "docs.jsonl", docs)), seq_len=seq_len,
+                     val_fraction=0.0, shuffle=False, num_workers=0, cache_dir=str(tmp_path / "cache"),
+                     **overrides)
+    return cfg, build_loaders(cfg, 1, 0, 1, 0, "cpu", max_seq_len=64, model_vocab_size=512)
+
+
+def test_stream_is_documents_with_bos_and_eos(tmp_path):
+    cfg, _ = loaders(tmp_path)
+    stream = prepare_streams(cfg).train
+    assert (np.asarray(stream.tokens) == expected_stream(DOCS)).all()
+    assert stream.num_documents == 5  # the empty document is skipped
+    starts = np.asarray(stream.doc_starts)
+    assert (np.asarray(stream.tokens)[starts[:-1]] == BOS).all() and starts[-1] == stream.num_tokens
+
+
+def test_windows_are_exact_and_targets_shift_by_one(tmp_path):
+    _, (train, _) = loaders(tmp_path, seq_len=5)
+    stream = expected_stream(DOCS)
+    n = (len(stream) - 1) // 5
+    assert len(train) == n
+    batches = list(islice(train, n))
+    for i, batch in enumerate(batches):
+        assert batch.inputs.shape == batch.targets.shape == (1, 5)
+        assert batch.inputs.dtype == batch.targets.dtype == torch.int64
+        assert batch.inputs[0].tolist() == stream[5 * i:5 * i + 5].tolist()
+        assert batch.targets[0].tolist() == stream[5 * i + 1:5 * i + 6].tolist()
+        assert batch.doc_ids is None
+    # Every token after the first is a target exactly once; only the tail that fills no window is unused.
+    targets = torch.cat([b.targets[0] for b in batches]).tolist()
+    assert targets == stream[1:1 + 5 * n].tolist()
+    assert len(stream) - 1 - 5 * n < 5
+
+
+def test_document_ids_follow_boundaries(tmp_path):
+    _, (train, _) = loaders(tmp_path, seq_len=7, keep_document_boundaries=True)
+    stream = expected_stream(DOCS)
+    doc_of_token = np.cumsum(stream == BOS) - 1
+    for i, batch in enumerate(islice(train, len(train))):
+        expected = doc_of_token[7 * i:7 * i + 7]
+        assert batch.doc_ids.dtype == torch.int32
+        assert batch.doc_ids[0].tolist() == (expected - expected[0]).tolist()
+
+
+def test_cu_seqlens_from_doc_ids():
+    doc_ids = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 0, 0, 0, 0, 0]], dtype=torch.int32)
+    cu_seqlens, max_seqlen = cu_seqlens_from_doc_ids(doc_ids)
+    assert cu_seqlens.tolist() == [0, 2, 5, 6, 12] and cu_seqlens.dtype == torch.int32
+    assert max_seqlen == 6
+
+
+def test_unigram_entropy_is_that_of_the_token_counts(tmp_path):
+    cfg, _ = loaders(tmp_path, docs=["ab", "ab"], seq_len=2)
+    # stream BOS a b EOS BOS a b EOS: four tokens, each a quarter of the stream.
+    assert unigram_entropy(cfg) == pytest.approx(math.log(4))
+
+
+def test_held_out_documents_are_a_stable_fraction(tmp_path):
+    held = [i for i in range(1000) if is_held_out(i, 0.1)]
+    assert abs(len(held) - 100) <= 2 and min(np.diff(held)) >= 5  # spread out, not clumped
+    docs = [f"document number {i}" for i in range(40)]
+    cfg = DataConfig(source="files", path=str(write_jsonl(tmp_path / "d.jsonl", docs)), val_fraction=0.25,
+                     cache_dir=str(tmp_path / "cache"))
+    streams = prepare_streams(cfg)
+    assert streams.train.num_documents + streams.val.num_documents == 40
+    assert abs(streams.val.num_documents - 10) <= 1
+    val_text = bytes(t for t in np.asarray(streams.val.tokens) if t < 256).decode()
+    assert val_text == "".join(d for i, d in enumerate(docs) if is_held_out(i, 0.25))
+
+
+def test_synthetic_source_follows_its_rule():
+    cfg = DataConfig(source="synthetic", seq_len=16, keep_document_boundaries=True)
+    train, val = build_loaders(cfg, 4, 0, 1, 3, "cpu", max_seq_len=64, model_vocab_size=256)
+    assert train.vocab_size == 256
+    batch = next(iter(train))
+    tokens = torch.cat([batch.inputs, batch.targets[:, -1:]], dim=1)
+    assert (tokens[:, 1::2] == (tokens[:, 0:-1:2] * 3 + 1) % 256).all()
+    assert (batch.doc_ids == 0).all()
+    again, _ = build_loaders(cfg, 4, 0, 1, 3, "cpu", max_seq_len=64, model_vocab_size=256)
+    assert torch.equal(next(iter(again)).inputs, batch.inputs)
+    assert not torch.equal(next(iter(val)).inputs, batch.inputs)
+
+
+def test_embedded_corpus_is_the_shipped_file():
+    data = EMBEDDED_PATH.read_bytes()
+    assert hashlib.sha256(data).hexdigest() == EMBEDDED_SHA256
+    records = [json.loads(line) for line in gzip.decompress(data).decode().splitlines()]
+    assert len(records) == 385 and all(r["text"] for r in records)
+    assert (EMBEDDED_PATH.parent / "README.md").is_file()
+    assert (EMBEDDED_PATH.parent / "LICENSE-PSF.txt").is_file()
+
+
+def test_default_config_reads_the_embedded_corpus(tmp_path):
+    cfg = DataConfig(cache_dir=str(tmp_path))
+    train, val = build_loaders(cfg, 8, 0, 1, 0, "cpu", max_seq_len=1024, model_vocab_size=512)
+    assert train.vocab_size == 258
+    batch = next(iter(train))
+    assert batch.inputs.shape == (8, 128) and int(batch.inputs.max()) < 258
+    text = bytes(t for t in batch.inputs[0].tolist() if t < 256).decode(errors="replace")
+    assert sum(c.isalpha() or c.isspace() for c in text) > 0.6 * len(text)  # prose, not noise
+    assert len(val) >= 4  # enough held-out documents for the default val_batches
