@@ -1,0 +1,284 @@
+"""Time the CODA forward stages of one block against their GEMM floor and the eager ops.
+
+For every forward stage of the chosen backend (`--impl`) it reports, at the widths of a model
+preset and M tokens:
+- the stage's own time;
+- the same GEMM alone (cuBLAS through torch.mm, bf16 output), the floor a fused epilogue aims at;
+- the eager PyTorch ops the stage replaces (the reference backend's stage, which is the GEMM
+  followed by the elementwise/reduction ops as separate kernels);
+and the ratios stage / GEMM (target ≤ 1.05 at Llama-3-8B shapes) and eager / stage. Rows for
+attention (FA4 when the backend is cute, else SDPA) and for one whole layer forward (F4,
+attention, F1 R1 F2 F3 R2) against its floor (the four GEMMs alone plus attention) and the eager
+Llama block complete the table. Times are medians of many runs, all measured in one process.
+
+    python scripts/bench_block.py --impl cute                     # Llama-3-8B widths, M = 8192
+    python scripts/bench_block.py --impl cute --sweep F1 F3       # + time candidate GEMM configs
+    python scripts/bench_block.py --impl reference --model tiny --tokens 512 --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from codatrain.kernels.stages import StageBackend, get_backend  # noqa: E402
+from codatrain.model.attention import get_attention  # noqa: E402
+from codatrain.model.config import LlamaConfig, get_preset  # noqa: E402
+from codatrain.model.llama import Block, rope_cos_sin  # noqa: E402
+
+EPS = 1e-5
+
+
+def median_ms(fns: list[Callable[[], object]], device: torch.device, *, warmup: int, iters: int) -> list:
+    """Median time of each fn over `iters` calls, after `warmup` untimed ones (compiles, caches).
+
+    The fns are timed interleaved (one call of each per round), so a drift of the GPU clock
+    shifts all of them alike and their ratios hold. On a GPU each call is preceded by a 256 MB
+    memset, as in triton's do_bench: it evicts the operands from L2 (each call reads its weights
+    from HBM, as in training) and keeps the GPU busy while the host enqueues the call, so the
+    time is the GPU's, without the launch overhead."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
+    flush = torch.empty(256 << 20, dtype=torch.int8, device=device) if device.type == "cuda" else None
+    for _ in range(iters):
+        for fn, fn_times in zip(fns, times, strict=True):
+            if flush is None:
+                start = time.perf_counter()
+                fn()
+                fn_times.append((time.perf_counter() - start) * 1e3)
+                continue
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            flush.zero_()
+            begin.record()
+            fn()
+            end.record()
+            end.synchronize()
+            fn_times.append(begin.elapsed_time(end))
+    return [statistics.median(t) for t in times]
+
+
+class Inputs:
+    """Random bf16 operands at the widths of `cfg` with M = `tokens` rows (weights scaled so that
+    GEMM outputs are O(1), as in a trained model)."""
+
+    def __init__(self, cfg: LlamaConfig, tokens: int, seq_len: int, device: torch.device, dtype: torch.dtype):
+        self.cfg, self.m, self.seq_len, self.batch = cfg, tokens, seq_len, tokens // seq_len
+        d, f, attn = cfg.dim, cfg.ffn_dim, cfg.n_heads * cfg.head_dim
+
+        def randn(*shape: int, fan_in: int = 1) -> torch.Tensor:
+            return (torch.randn(*shape, device=device) * fan_in**-0.5).to(dtype)
+
+        self.x = randn(tokens, d)
+        self.h = randn(tokens, d)
+        self.attn_out = randn(tokens, attn)
+        self.y = randn(tokens, f)
+        self.rstd = torch.rand(tokens, device=device) + 0.5
+        self.gamma = (torch.rand(d, device=device) + 0.5).to(dtype)
+        self.w_o = randn(d, attn, fan_in=attn)
+        self.w_gu = randn(2 * f, d, fan_in=d)
+        self.w_down = randn(d, f, fan_in=f)
+        self.w_qkv = randn(cfg.qkv_dim, d, fan_in=d)
+        self.w_head = randn(cfg.vocab_size, d, fan_in=d)
+        self.embedding = randn(cfg.vocab_size, d)
+        self.tokens = torch.randint(0, cfg.vocab_size, (tokens,), device=device)
+        self.positions = torch.arange(tokens, device=device) % seq_len
+        self.sq_partials = torch.rand(tokens, -(-d // 128), device=device)
+        self.rope = {"head_dim": cfg.head_dim, "rope_heads": cfg.n_heads + cfg.n_kv_heads,
+                     "rope_theta": cfg.rope_theta}
+
+
+Row = tuple[str, Callable, Callable | None, Callable]  # name, timed call, GEMM floor, eager call
+
+
+def stage_rows(s: StageBackend, ref: StageBackend, x: Inputs) -> list[Row]:
+    """(name, stage call, the same GEMM alone or None, the reference stage call) per stage."""
+    c = x.cfg
+
+    def both(method: str, *args, **kwargs) -> tuple[Callable, Callable]:
+        return (lambda: getattr(s, method)(*args, **kwargs)), (lambda: getattr(ref, method)(*args, **kwargs))
+
+    def gemm(a: torch.Tensor, w: torch.Tensor) -> Callable:
+        return lambda: torch.mm(a, w.t())
+
+    rows = []
+    for name, method, args, kwargs, floor in [
+        ("entry", "entry", (x.tokens, x.embedding, x.gamma), {"eps": EPS}, None),
+        ("F1 out-proj +res +x² +γ", "gemm_residual_rms", (x.attn_out, x.w_o, x.x, x.gamma), {},
+         gemm(x.attn_out, x.w_o)),
+        ("R rstd", "rstd_from_partials", (x.sq_partials,), {"dim": c.dim, "eps": EPS}, None),
+        ("F2 gate/up ·r +SwiGLU", "gemm_rstd_swiglu", (x.h, x.w_gu, x.rstd), {}, gemm(x.h, x.w_gu)),
+        ("F3 down +res +x² +γ", "gemm_residual_rms", (x.y, x.w_down, x.x, x.gamma), {}, gemm(x.y, x.w_down)),
+        ("F4 QKV ·r +RoPE", "gemm_rstd_rope", (x.h, x.w_qkv, x.rstd, x.positions), x.rope,
+         gemm(x.h, x.w_qkv)),
+        ("LM head ·r +LSE +target", "gemm_rstd_lse", (x.h, x.w_head, x.rstd, x.tokens), {},
+         gemm(x.h, x.w_head)),
+        ("LM head ·r (logits)", "gemm_rstd", (x.h, x.w_head, x.rstd), {}, gemm(x.h, x.w_head)),
+    ]:
+        stage, eager = both(method, *args, **kwargs)
+        rows.append((name, stage, floor, eager))
+    return rows
+
+
+def layer_rows(
+    s: StageBackend, x: Inputs, device: torch.device, attention_name: str, compile_eager: bool
+) -> list[Row]:
+    """Attention alone, and one layer forward: CODA stages vs its GEMM+attention floor vs eager."""
+    c, b, t = x.cfg, x.batch, x.seq_len
+    attention = get_attention(attention_name, device)
+    qkv = torch.randn(b, t, c.n_heads + 2 * c.n_kv_heads, c.head_dim, device=device).to(x.x.dtype)
+    q, k, v = qkv.split([c.n_heads, c.n_kv_heads, c.n_kv_heads], dim=2)
+    sdpa = get_attention("sdpa", device)
+
+    def coda_layer() -> torch.Tensor:
+        z = s.gemm_rstd_rope(x.h, x.w_qkv, x.rstd, x.positions, **x.rope)
+        zq, zk, zv = z.view(b, t, -1, c.head_dim).split([c.n_heads, c.n_kv_heads, c.n_kv_heads], dim=2)
+        o = attention(zq, zk, zv).reshape(x.m, -1)
+        x1, h1, p1 = s.gemm_residual_rms(o, x.w_o, x.x, x.gamma)
+        _, y = s.gemm_rstd_swiglu(h1, x.w_gu, s.rstd_from_partials(p1, dim=c.dim, eps=EPS))
+        x2, h2, p2 = s.gemm_residual_rms(y, x.w_down, x1, x.gamma)
+        return s.rstd_from_partials(p2, dim=c.dim, eps=EPS)
+
+    def floor_layer() -> None:
+        torch.mm(x.h, x.w_qkv.t())
+        attention(q, k, v)
+        torch.mm(x.attn_out, x.w_o.t())
+        torch.mm(x.h, x.w_gu.t())
+        torch.mm(x.y, x.w_down.t())
+
+    with torch.device(device):
+        block = Block(c).to(x.x.dtype)
+    cos, sin = rope_cos_sin(torch.arange(t, device=device), c.head_dim, c.rope_theta, x.x.dtype)
+    x_btd = x.x.view(b, t, c.dim)
+
+    def eager_layer() -> torch.Tensor:
+        return block(x_btd, cos, sin)
+
+    qkv_grad = qkv.detach().requires_grad_()
+    dout = torch.randn_like(q)
+
+    def fwd_bwd(fn: Callable) -> Callable:
+        def run() -> None:
+            gq, gk, gv = qkv_grad.split([c.n_heads, c.n_kv_heads, c.n_kv_heads], dim=2)
+            fn(gq, gk, gv).backward(dout)
+
+        return run
+
+    rows = [
+        (f"attention fwd ({attention_name} vs sdpa)", lambda: attention(q, k, v), None,
+         lambda: sdpa(q, k, v)),
+        (f"attention fwd+bwd ({attention_name} vs sdpa)", fwd_bwd(attention), None, fwd_bwd(sdpa)),
+        ("layer fwd (CODA vs floor vs eager)", coda_layer, floor_layer, eager_layer),
+    ]
+    if compile_eager:
+        compiled = torch.compile(eager_layer)
+        rows.append(("layer fwd (CODA vs floor vs compiled eager)", coda_layer, floor_layer, compiled))
+    return rows
+
+
+def sweep(x: Inputs, device: torch.device, stages: list[str], warmup: int, iters: int) -> list[dict]:
+    """Time cute GEMM stages under candidate tile configs (the winners go into CONFIGS)."""
+    from codatrain.kernels.cute import gemm_stages
+
+    s = get_backend("cute", device)
+    cfg = gemm_stages.sm90_config
+    candidates = {
+        "128x192 pingpong c2x1": cfg(128, 192, pingpong=True, cluster_m=2, cluster_n=1),
+        "192x128 pingpong c1x2": cfg(192, 128, pingpong=True, cluster_m=1, cluster_n=2),
+        "128x128 pingpong c2x1": cfg(128, 128, pingpong=True, cluster_m=2, cluster_n=1),
+        "128x128 pingpong c1x2": cfg(128, 128, pingpong=True, cluster_m=1, cluster_n=2),
+        "128x256 coop c2x1": cfg(128, 256, pingpong=False, cluster_m=2, cluster_n=1),
+        "256x128 coop c1x2": cfg(256, 128, pingpong=False, cluster_m=1, cluster_n=2),
+        "256x128 coop c2x1": cfg(256, 128, pingpong=False, cluster_m=2, cluster_n=1),
+    }
+    calls = {  # (CONFIGS key, call)
+        "F1": ("residual_rms", lambda: s.gemm_residual_rms(x.attn_out, x.w_o, x.x, x.gamma)),
+        "F3": ("residual_rms", lambda: s.gemm_residual_rms(x.y, x.w_down, x.x, x.gamma)),
+        "F2": ("rstd_swiglu", lambda: s.gemm_rstd_swiglu(x.h, x.w_gu, x.rstd)),
+        "F4": ("rstd_rope", lambda: s.gemm_rstd_rope(x.h, x.w_qkv, x.rstd, x.positions, **x.rope)),
+        "LM": ("rstd_lse", lambda: s.gemm_rstd_lse(x.h, x.w_head, x.rstd, x.tokens)),
+    }
+    chosen = dict(gemm_stages.CONFIGS)
+    results = []
+    for stage in stages or list(calls):
+        key, call = calls[stage]
+        for label, config in candidates.items():
+            gemm_stages.CONFIGS[key] = config
+            try:
+                (ms,) = median_ms([call], device, warmup=warmup, iters=iters)
+            except Exception as exc:  # a config a kernel rejects is a result, not a crash
+                print(f"sweep {stage} {label:22s} failed: {type(exc).__name__}: {exc}"[:300])
+                continue
+            print(f"sweep {stage} {label:22s} {ms:8.3f} ms", flush=True)
+            results.append({"stage": stage, "config": label, "ms": ms})
+        gemm_stages.CONFIGS[key] = chosen[key]
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--impl", default="cute", help="stage backend to time: cute | reference | auto")
+    p.add_argument("--model", default="llama3_8b", help="model preset for the widths")
+    p.add_argument("--tokens", type=int, default=8192, help="M, tokens per micro-batch")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=100)
+    p.add_argument("--attention", default="auto", help="attention for the layer rows: fa4 | sdpa | auto")
+    p.add_argument("--compile", action="store_true", help="also time the torch.compile'd eager block")
+    p.add_argument("--sweep", nargs="*", metavar="STAGE",
+                   help="time candidate GEMM configs of these cute stages (F1 F2 F3 F4 LM; none: all)")
+    p.add_argument("--json", type=Path, help="write the measurements to this file")
+    args = p.parse_args()
+    if args.tokens % args.seq_len:
+        p.error(f"--tokens {args.tokens} must be a multiple of --seq-len {args.seq_len}")
+
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)
+    cfg = get_preset(args.model)
+    dtype = torch.bfloat16
+    x = Inputs(cfg, args.tokens, args.seq_len, device, dtype)
+    s, ref = get_backend(args.impl, device), get_backend("reference", device)
+    attention_name = args.attention if args.attention != "auto" else ("fa4" if s.name == "cute" else "sdpa")
+    print(f"{args.model} M={args.tokens} impl={s.name} attention={attention_name} "
+          f"device={torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}", flush=True)
+
+    results = {"model": args.model, "tokens": args.tokens, "impl": s.name, "stages": [], "sweep": []}
+    if args.sweep is not None:
+        results["sweep"] = sweep(x, device, args.sweep, args.warmup, args.iters)
+    rows = stage_rows(s, ref, x) + layer_rows(s, x, device, attention_name, args.compile)
+    header = (f"{'stage':44s} {'stage ms':>9s} {'GEMM ms':>9s} {'eager ms':>9s} "
+              f"{'stage/GEMM':>11s} {'eager/stage':>12s}")
+    lines = []
+    for name, stage, floor, eager in rows:
+        fns = [stage, eager] + ([floor] if floor else [])
+        t_stage, t_eager, *t_floor = median_ms(fns, device, warmup=args.warmup, iters=args.iters)
+        t_floor = t_floor[0] if t_floor else None
+        results["stages"].append(
+            {"stage": name, "stage_ms": t_stage, "gemm_ms": t_floor, "eager_ms": t_eager}
+        )
+        floor_txt = f"{t_floor:9.3f}" if t_floor else f"{'-':>9s}"
+        ratio_txt = f"{t_stage / t_floor:11.3f}" if t_floor else f"{'-':>11s}"
+        lines.append(
+            f"{name:44s} {t_stage:9.3f} {floor_txt} {t_eager:9.3f} {ratio_txt} {t_eager / t_stage:12.2f}"
+        )
+        print(lines[-1], flush=True)
+    print("\n" + header + "\n" + "\n".join(lines))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

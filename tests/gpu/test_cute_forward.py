@@ -1,0 +1,280 @@
+"""The cute forward stages and FA4 attention against the reference, on an sm_90 GPU.
+
+Criterion (DESIGN §5): on fresh random bf16 inputs, the error of a cute output against the
+reference stage run in fp32 is at most twice the error of the reference stage run in bf16 (both
+as ‖out − ref‖ / ‖ref‖; a floor of 1e-6 covers outputs that bf16 cannot perturb, such as fp32
+statistics of fp32 inputs). Every output buffer the stages allocate is filled with NaN first, so
+an element a kernel fails to write cannot pass.
+
+Shapes: Llama-3-8B block widths at M = 8192 tokens, and a smaller model whose M, vocab and MLP
+width are not multiples of any GEMM tile.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+    pytest.skip("the cute kernels need an sm_90 GPU", allow_module_level=True)
+pytest.importorskip("quack")
+pytest.importorskip("flash_attn.cute")
+
+from codatrain.kernels.cute import entry as cute_entry  # noqa: E402
+from codatrain.kernels.cute import gemm_stages  # noqa: E402
+from codatrain.kernels.cute.attention import fa4_attention  # noqa: E402
+from codatrain.kernels.stages import IGNORE_INDEX, get_backend  # noqa: E402
+from codatrain.model.attention import get_attention, sdpa_attention  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+DEVICE = torch.device("cuda")
+EPS = 1e-5
+FLOOR = 1e-6
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    tokens: int  # M
+    seq_len: int  # tokens per sequence (M = batch · seq_len)
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab: int
+
+    @property
+    def qkv_dim(self) -> int:
+        return (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+
+
+SHAPES = [
+    Shape("llama3_8b", 8192, 4096, 4096, 32, 8, 128, 14336, 128256),
+    Shape("ragged", 1000, 500, 1024, 8, 2, 128, 2816, 50264),
+]
+
+
+@pytest.fixture(params=SHAPES, ids=lambda s: s.name)
+def shape(request) -> Shape:
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    """Fill every output buffer the cute stages allocate with NaN before the kernel runs."""
+
+    def poisoned_stage_empty(*shape: int, like: torch.Tensor, dtype: torch.dtype | None = None):
+        return torch.full(shape, math.nan, dtype=dtype or like.dtype, device=like.device)
+
+    def poisoned_entry_empty(*shape: int, dtype: torch.dtype, device: torch.device):
+        return torch.full(shape, math.nan, dtype=dtype, device=device)
+
+    monkeypatch.setattr(gemm_stages, "_empty", poisoned_stage_empty)
+    monkeypatch.setattr(cute_entry, "_empty", poisoned_entry_empty)
+
+
+@pytest.fixture(scope="module")
+def backends():
+    return get_backend("cute", DEVICE), get_backend("reference", DEVICE)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def check(name: str, cute: torch.Tensor, bf16_ref: torch.Tensor, fp32_ref: torch.Tensor) -> None:
+    assert cute.shape == fp32_ref.shape, f"{name}: shape {tuple(cute.shape)} != {tuple(fp32_ref.shape)}"
+    assert torch.isfinite(cute).all(), f"{name}: non-finite values (unwritten or overflowed)"
+    err, bf16_err = rel_err(cute, fp32_ref), rel_err(bf16_ref, fp32_ref)
+    print(f"{name}: cute {err:.3e}  reference-bf16 {bf16_err:.3e}")
+    assert err <= max(2 * bf16_err, FLOOR), f"{name}: error {err:.3e} > 2 × bf16 reference {bf16_err:.3e}"
+
+
+def run_both(ref, method: str, *args, **kwargs):
+    """The reference stage on the bf16 inputs and on their fp32 upcasts."""
+    up = [a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
+    return getattr(ref, method)(*args, **kwargs), getattr(ref, method)(*up, **kwargs)
+
+
+def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, device=DEVICE) * scale).to(torch.bfloat16)
+
+
+def gamma(dim: int) -> torch.Tensor:
+    return (torch.rand(dim, device=DEVICE) + 0.5).to(torch.bfloat16)
+
+
+def rstd_of(rows: int) -> torch.Tensor:
+    return torch.rand(rows, device=DEVICE) + 0.5
+
+
+def positions(shape: Shape) -> torch.Tensor:
+    return torch.arange(shape.tokens, device=DEVICE) % shape.seq_len
+
+
+def test_cute_is_selected_on_sm90():
+    assert get_backend("auto", DEVICE).name == "cute"
+    assert get_attention("auto", DEVICE) is fa4_attention
+    h, w = torch.randn(256, 64, device=DEVICE), torch.randn(128, 64, device=DEVICE)
+    with pytest.raises(TypeError, match="16-bit"):
+        get_backend("cute", DEVICE).gemm_rstd(h, w, torch.ones(256, device=DEVICE))
+
+
+# ---- stages ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("emb_dtype", [torch.bfloat16, torch.float32], ids=["bf16_table", "fp32_table"])
+def test_entry(backends, shape, emb_dtype):
+    cute, ref = backends
+    tokens = torch.randint(0, shape.vocab, (shape.tokens,), device=DEVICE)
+    embedding = torch.randn(shape.vocab, shape.dim, device=DEVICE, dtype=emb_dtype)
+    g = gamma(shape.dim).to(emb_dtype)
+    out = cute.entry(tokens, embedding, g, eps=EPS, dtype=torch.bfloat16)
+    bf16 = ref.entry(tokens, embedding, g, eps=EPS, dtype=torch.bfloat16)
+    fp32 = ref.entry(tokens, embedding.float(), g.float(), eps=EPS, dtype=torch.float32)
+    for field in ("x", "h", "rstd"):
+        check(f"entry.{field}", getattr(out, field), getattr(bf16, field), getattr(fp32, field))
+
+
+def test_entry_from_unaligned_views(backends):
+    """Parameters that are views into a flat buffer need not start on a 16-byte boundary."""
+    cute, ref = backends
+    s = SHAPES[1]
+    flat = torch.randn(s.vocab * s.dim + s.dim + 1, device=DEVICE).to(torch.bfloat16)
+    embedding, g = flat[1 : 1 + s.vocab * s.dim].view(s.vocab, s.dim), flat[-s.dim :]
+    assert embedding.data_ptr() % 16 and g.data_ptr() % 16
+    tokens = torch.randint(0, s.vocab, (s.tokens,), device=DEVICE)
+    out = cute.entry(tokens, embedding, g, eps=EPS, dtype=torch.bfloat16)
+    expected = ref.entry(tokens, embedding, g, eps=EPS, dtype=torch.bfloat16)
+    torch.testing.assert_close(out.x, expected.x, rtol=0, atol=0)
+    torch.testing.assert_close(out.h, expected.h)
+    torch.testing.assert_close(out.rstd, expected.rstd)
+
+
+def test_gemm_residual_rms(backends, shape):
+    cute, ref = backends
+    k = shape.n_heads * shape.head_dim
+    args = (randn(shape.tokens, k), randn(shape.dim, k, scale=k**-0.5), randn(shape.tokens, shape.dim),
+            gamma(shape.dim))
+    out = cute.gemm_residual_rms(*args)
+    bf16, fp32 = run_both(ref, "gemm_residual_rms", *args)
+    check("x", out.x, bf16.x, fp32.x)
+    check("h", out.h, bf16.h, fp32.h)
+    # Backends may tile the columns differently; the contract is the row sum.
+    check("sum(sq_partials)", out.sq_partials.sum(-1), bf16.sq_partials.sum(-1), fp32.sq_partials.sum(-1))
+
+
+def test_rstd_from_partials(backends, shape):
+    cute, ref = backends
+    partials = torch.rand(shape.tokens, math.ceil(shape.dim / 192), device=DEVICE) * 100
+    # rms_final_reduce allocates rstd itself: leave a NaN block of that size in the allocator's
+    # cache, which the next allocation of the same size takes.
+    del_me = torch.full((shape.tokens,), math.nan, device=DEVICE)
+    del del_me
+    out = cute.rstd_from_partials(partials, dim=shape.dim, eps=EPS)
+    fp32 = ref.rstd_from_partials(partials, dim=shape.dim, eps=EPS)
+    check("rstd", out, fp32, ref.rstd_from_partials(partials.double(), dim=shape.dim, eps=EPS))
+
+
+def test_gemm_rstd_swiglu(backends, shape):
+    cute, ref = backends
+    args = (randn(shape.tokens, shape.dim), randn(2 * shape.ffn_dim, shape.dim, scale=shape.dim**-0.5),
+            rstd_of(shape.tokens))
+    out = cute.gemm_rstd_swiglu(*args)
+    bf16, fp32 = run_both(ref, "gemm_rstd_swiglu", *args)
+    check("preact", out.preact, bf16.preact, fp32.preact)
+    check("y", out.y, bf16.y, fp32.y)
+
+
+def test_gemm_rstd_rope(backends, shape):
+    cute, ref = backends
+    args = (randn(shape.tokens, shape.dim), randn(shape.qkv_dim, shape.dim, scale=shape.dim**-0.5),
+            rstd_of(shape.tokens), positions(shape))
+    kwargs = dict(head_dim=shape.head_dim, rope_heads=shape.n_heads + shape.n_kv_heads, rope_theta=500000.0)
+    out = cute.gemm_rstd_rope(*args, **kwargs)
+    bf16, fp32 = run_both(ref, "gemm_rstd_rope", *args, **kwargs)
+    check("qkv", out, bf16, fp32)
+
+
+def test_gemm_rstd(backends, shape):
+    cute, ref = backends
+    rows = min(shape.tokens, 2048)  # full logits are M × V; a slice of rows covers the tiles
+    args = (randn(rows, shape.dim), randn(shape.vocab, shape.dim, scale=shape.dim**-0.5), rstd_of(rows))
+    out = cute.gemm_rstd(*args)
+    bf16, fp32 = run_both(ref, "gemm_rstd", *args)
+    check("logits", out, bf16, fp32)
+
+
+def test_gemm_rstd_lse(backends, shape):
+    cute, ref = backends
+    targets = torch.randint(0, shape.vocab, (shape.tokens,), device=DEVICE)
+    ignored = torch.rand(shape.tokens, device=DEVICE) < 0.1
+    targets[ignored] = IGNORE_INDEX
+    # Logits of a few units, as a trained LM head produces.
+    args = (randn(shape.tokens, shape.dim), randn(shape.vocab, shape.dim, scale=3 * shape.dim**-0.5),
+            rstd_of(shape.tokens), targets)
+    out = cute.gemm_rstd_lse(*args)
+    bf16, fp32 = run_both(ref, "gemm_rstd_lse", *args)
+    check("lse", out.lse, bf16.lse, fp32.lse)
+    check("target_logit", out.target_logit, bf16.target_logit, fp32.target_logit)
+    assert (out.target_logit[ignored] == 0).all()
+
+
+# ---- attention ---------------------------------------------------------------------------------
+
+
+def test_fa4_attention(shape):
+    batch = shape.tokens // shape.seq_len
+    qkv = randn(batch, shape.seq_len, shape.n_heads + 2 * shape.n_kv_heads, shape.head_dim)
+    dout = randn(batch, shape.seq_len, shape.n_heads, shape.head_dim)
+
+    def run(fn, dtype):
+        leaf = qkv.detach().to(dtype).clone().requires_grad_()
+        q, k, v = leaf.split([shape.n_heads, shape.n_kv_heads, shape.n_kv_heads], dim=2)
+        out = fn(q, k, v)
+        out.backward(dout.to(dtype))
+        return out.detach(), leaf.grad
+
+    fa4_out, fa4_grad = run(fa4_attention, torch.bfloat16)
+    sdpa_out, sdpa_grad = run(sdpa_attention, torch.bfloat16)
+    ref_out, ref_grad = run(sdpa_attention, torch.float32)
+    check("attention.out", fa4_out, sdpa_out, ref_out)
+    check("attention.dqkv", fa4_grad, sdpa_grad, ref_grad)
+
+
+# ---- torch.compile -----------------------------------------------------------------------------
+
+
+def test_layer_forward_compiles_without_graph_breaks(backends):
+    """One CODA layer's forward traced with fullgraph=True (a graph break raises)."""
+    cute, _ = backends
+    s = SHAPES[1]
+    k_attn = s.n_heads * s.head_dim
+    w_o, w_gu = randn(s.dim, k_attn, scale=k_attn**-0.5), randn(2 * s.ffn_dim, s.dim, scale=s.dim**-0.5)
+    w_down, w_qkv = randn(s.dim, s.ffn_dim, scale=s.ffn_dim**-0.5), randn(s.qkv_dim, s.dim, scale=s.dim**-0.5)
+    g_mlp, g_attn = gamma(s.dim), gamma(s.dim)
+    batch = s.tokens // s.seq_len
+
+    def layer(x0: torch.Tensor, h0: torch.Tensor, r0: torch.Tensor, pos: torch.Tensor):
+        qkv = cute.gemm_rstd_rope(h0, w_qkv, r0, pos, head_dim=s.head_dim,
+                                  rope_heads=s.n_heads + s.n_kv_heads, rope_theta=500000.0)
+        q, k, v = qkv.view(batch, s.seq_len, -1, s.head_dim).split([s.n_heads, s.n_kv_heads, s.n_kv_heads], 2)
+        attn = fa4_attention(q, k, v).reshape(s.tokens, k_attn)
+        x1, h1, p1 = cute.gemm_residual_rms(attn, w_o, x0, g_mlp)
+        _, y = cute.gemm_rstd_swiglu(h1, w_gu, cute.rstd_from_partials(p1, dim=s.dim, eps=EPS))
+        x2, h2, p2 = cute.gemm_residual_rms(y, w_down, x1, g_attn)
+        return x2, h2, cute.rstd_from_partials(p2, dim=s.dim, eps=EPS)
+
+    x0 = randn(s.tokens, s.dim)
+    h0 = (x0.float() * g_attn.float()).to(torch.bfloat16)
+    r0 = torch.rsqrt(x0.float().square().mean(-1) + EPS)
+    inputs = (x0, h0, r0, positions(s))
+    eager = layer(*inputs)
+    compiled = torch.compile(layer, fullgraph=True)(*inputs)
+    for a, b in zip(eager, compiled, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
