@@ -12,14 +12,19 @@ import hydra
 from omegaconf import DictConfig
 
 from codatrain.config import register_configs
-from codatrain.train.trainer import train
+from codatrain.train.checkpoint import CheckpointError
+from codatrain.train.trainer import NonFiniteError, train
 
 register_configs()
 
 
 @hydra.main(version_base=None, config_path="../configs", config_name="train")
 def main(cfg: DictConfig) -> None:
-    train(cfg)
+    try:
+        train(cfg)
+    except (ValueError, FileNotFoundError, CheckpointError, NonFiniteError) as error:
+        # Bad input or a diverged run: one clear line, not a traceback (checkpoints stay intact).
+        sys.exit(f"error: {error}")
 
 
 if __name__ == "__main__":
