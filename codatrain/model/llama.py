@@ -24,8 +24,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Statistics in fp32 (as HF LlamaRMSNorm); the weight multiplies in the input dtype.
-        xf = x.float()
+        # Statistics in at least fp32 (as HF LlamaRMSNorm; fp64 stays fp64); the weight multiplies
+        # in the input dtype.
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
 
@@ -127,9 +128,11 @@ class CanonicalLayout:
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over the targets that are not IGNORE_INDEX (fp32 math)."""
+    """Mean next-token cross-entropy over the targets that are not IGNORE_INDEX (≥ fp32 math)."""
+    logits = logits.flatten(0, 1)
     return F.cross_entropy(
-        logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX
+        logits.to(torch.promote_types(logits.dtype, torch.float32)), targets.flatten(),
+        ignore_index=IGNORE_INDEX,
     )
 
 

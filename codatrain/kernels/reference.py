@@ -1,0 +1,249 @@
+"""The reference stage backend: the CODA stage math in plain PyTorch, on any device.
+
+It is the specification of every stage (`codatrain.kernels.stages`), the CPU path, and the
+oracle the GPU kernels are tested against. Numerics mirror a GEMM + epilogue kernel: the GEMM
+runs in the activation dtype (PyTorch accumulates in fp32 and rounds the product once), then
+the epilogue upcasts to the statistics dtype, does all its math there, and rounds each written
+tensor once. In fp32/fp64 this is exact math in the input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from codatrain.kernels.stages import (
+    IGNORE_INDEX,
+    CeBwdOut,
+    DSwigluOut,
+    EntryOut,
+    LseOut,
+    ResidualOut,
+    RmsBwdOut,
+    RopeBwdOut,
+    StageBackend,
+    SwigluOut,
+    register_backend,
+    stat_dtype,
+)
+
+
+def _rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, rope_theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin (M, 1, head_dim/2) of angle position · θ_i, θ_i = rope_theta^(-2i/head_dim).
+
+    Angles are formed in fp64 (as the eager model does): at positions in the thousands an fp32
+    angle would already be off by ~1e-3 rad.
+    """
+    inv_freq = 1.0 / rope_theta ** (
+        torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim
+    )
+    angles = positions.to(torch.float64)[:, None, None] * inv_freq
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _rotate_pairs(
+    z: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, rope_heads: int
+) -> torch.Tensor:
+    """Rotate the adjacent column pairs (a, b) of the first rope_heads heads to (a·cos − b·sin,
+    a·sin + b·cos); the remaining (v) columns are copied."""
+    m, rope_cols = z.shape[0], rope_heads * head_dim
+    a, b = z[:, :rope_cols].reshape(m, rope_heads, head_dim // 2, 2).unbind(-1)
+    rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).reshape(m, rope_cols)
+    return torch.cat((rotated, z[:, rope_cols:]), dim=1)
+
+
+def _tile_sums(values: torch.Tensor, tile: int, dim: int) -> torch.Tensor:
+    """Sums of `values` over consecutive tiles of `tile` entries along `dim` (0 or 1); the last
+    tile is zero-padded, as a kernel's edge tile would be masked."""
+    size = values.shape[dim]
+    tiles = math.ceil(size / tile)
+    pad = tiles * tile - size
+    if dim == 1:
+        return F.pad(values, (0, pad)).view(values.shape[0], tiles, tile).sum(-1)
+    return F.pad(values, (0, 0, 0, pad)).view(tiles, tile, values.shape[1]).sum(1)
+
+
+class ReferenceStages(StageBackend):
+    """Pure-PyTorch stages. `logits_chunk_elements` bounds the logits block that `gemm_rstd_lse`
+    materialises at once (rows × V), so the LM head never holds M×V logits."""
+
+    def __init__(self, logits_chunk_elements: int = 1 << 24) -> None:
+        self.logits_chunk_elements = logits_chunk_elements
+
+    # ---- forward ---------------------------------------------------------------------------
+
+    def entry(
+        self,
+        tokens: torch.Tensor,
+        embedding: torch.Tensor,
+        gamma: torch.Tensor,
+        *,
+        eps: float,
+        dtype: torch.dtype | None = None,
+    ) -> EntryOut:
+        dtype = dtype or embedding.dtype
+        st = stat_dtype(dtype)
+        x = embedding[tokens].to(dtype)
+        xs = x.to(st)
+        rstd = torch.rsqrt(xs.square().mean(-1) + eps)
+        return EntryOut(x, (xs * gamma.to(st)).to(dtype), rstd)
+
+    def gemm_residual_rms(
+        self,
+        a: torch.Tensor,
+        weight: torch.Tensor,
+        residual: torch.Tensor,
+        gamma: torch.Tensor,
+        *,
+        tile_n: int = 128,
+    ) -> ResidualOut:
+        st = stat_dtype(a.dtype)
+        x = (residual.to(st) + (a @ weight.t()).to(st)).to(a.dtype)
+        xs = x.to(st)  # statistics of x as written, the x the backward will read
+        return ResidualOut(x, (xs * gamma.to(st)).to(a.dtype), _tile_sums(xs.square(), tile_n, dim=1))
+
+    def rstd_from_partials(self, sq_partials: torch.Tensor, *, dim: int, eps: float) -> torch.Tensor:
+        return torch.rsqrt(sq_partials.sum(-1) / dim + eps)
+
+    def gemm_rstd_swiglu(self, h: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> SwigluOut:
+        z = (h @ weight.t()).to(rstd.dtype) * rstd[:, None]
+        y = F.silu(z[:, 0::2]) * z[:, 1::2]
+        return SwigluOut(z.to(h.dtype), y.to(h.dtype))
+
+    def gemm_rstd_rope(
+        self,
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        rstd: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        head_dim: int,
+        rope_heads: int,
+        rope_theta: float,
+    ) -> torch.Tensor:
+        z = (h @ weight.t()).to(rstd.dtype) * rstd[:, None]
+        cos, sin = _rope_cos_sin(positions, head_dim, rope_theta, rstd.dtype)
+        return _rotate_pairs(z, cos, sin, head_dim, rope_heads).to(h.dtype)
+
+    def gemm_rstd(self, h: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+        return ((h @ weight.t()).to(rstd.dtype) * rstd[:, None]).to(h.dtype)
+
+    def gemm_rstd_lse(
+        self,
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        rstd: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        ignore_index: int = IGNORE_INDEX,
+    ) -> LseOut:
+        lse = torch.empty_like(rstd)
+        target_logit = torch.empty_like(rstd)
+        rows = max(1, self.logits_chunk_elements // weight.shape[0])
+        for start in range(0, h.shape[0], rows):
+            chunk = slice(start, start + rows)
+            logits = (h[chunk] @ weight.t()).to(rstd.dtype) * rstd[chunk, None]
+            lse[chunk] = torch.logsumexp(logits, dim=-1)
+            valid = targets[chunk] != ignore_index
+            picked = logits.gather(1, torch.where(valid, targets[chunk], 0)[:, None])[:, 0]
+            target_logit[chunk] = torch.where(valid, picked, 0.0)
+        return LseOut(lse, target_logit)
+
+    # ---- backward --------------------------------------------------------------------------
+
+    def rope_bwd(
+        self,
+        dqkv: torch.Tensor,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        head_dim: int,
+        rope_heads: int,
+        rope_theta: float,
+    ) -> RopeBwdOut:
+        st = stat_dtype(dqkv.dtype)
+        dqkv_s = dqkv.to(st)
+        cos, sin = _rope_cos_sin(positions, head_dim, rope_theta, st)
+        # The transpose of a rotation is the rotation by the opposite angle.
+        dz = _rotate_pairs(dqkv_s, cos, -sin, head_dim, rope_heads)
+        return RopeBwdOut(dz.to(dqkv.dtype), (qkv.to(st) * dqkv_s).sum(-1))
+
+    def gemm_rstd_ce_bwd(
+        self,
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        rstd: torch.Tensor,
+        targets: torch.Tensor,
+        lse: torch.Tensor,
+        grad_scale: torch.Tensor,
+        *,
+        ignore_index: int = IGNORE_INDEX,
+    ) -> CeBwdOut:
+        logits = (h @ weight.t()).to(rstd.dtype) * rstd[:, None]
+        valid = targets != ignore_index
+        dlogits = torch.exp(logits - lse[:, None])
+        dlogits.scatter_add_(
+            1, torch.where(valid, targets, 0)[:, None], -torch.ones_like(lse)[:, None]
+        )
+        dlogits *= torch.where(valid, grad_scale, 0.0)[:, None]
+        return CeBwdOut(dlogits.to(h.dtype), (logits * dlogits).sum(-1))
+
+    def row_dot(self, z: torch.Tensor, dz: torch.Tensor) -> torch.Tensor:
+        st = stat_dtype(z.dtype)
+        return (z.to(st) * dz.to(st)).sum(-1)
+
+    def gemm_rms_bwd(
+        self,
+        dz: torch.Tensor,
+        weight: torch.Tensor,
+        x: torch.Tensor,
+        gamma: torch.Tensor,
+        rstd: torch.Tensor,
+        zdz: torch.Tensor,
+        residual_grad: torch.Tensor | None = None,
+        *,
+        tile_m: int = 128,
+    ) -> RmsBwdOut:
+        st = rstd.dtype
+        dn = (dz @ weight).to(st)
+        xs, g, r = x.to(st), gamma.to(st), rstd[:, None]
+        # dx = r·(dn⊙γ − x·r·ZdZ) with ZdZ = zdz/d = r·Σ_k dn_k γ_k x_k / d (DESIGN §3).
+        dx = r * (dn * g - xs * r * (zdz[:, None] / x.shape[1]))
+        if residual_grad is not None:
+            dx += residual_grad.to(st)
+        xr = xs * r
+        return RmsBwdOut(dx.to(x.dtype), (xr * g).to(x.dtype), _tile_sums(dn * xr, tile_m, dim=0))
+
+    def gemm_dswiglu(self, dout: torch.Tensor, weight: torch.Tensor, preact: torch.Tensor) -> DSwigluOut:
+        st = stat_dtype(dout.dtype)
+        dy = (dout @ weight).to(st)
+        pre = preact.to(st)
+        g, u = pre[:, 0::2], pre[:, 1::2]
+        sig = torch.sigmoid(g)
+        silu = g * sig
+        dg = dy * u * sig * (1 + g * (1 - sig))  # silu'(g) = σ(g)·(1 + g·(1 − σ(g)))
+        du = dy * silu
+        dpreact = torch.stack((dg, du), dim=-1).view_as(pre)
+        return DSwigluOut(dpreact.to(dout.dtype), (silu * u).to(dout.dtype), (g * dg + u * du).sum(-1))
+
+    def dgrad(self, dz: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return dz @ weight
+
+    def wgrad(
+        self, dz: torch.Tensor, a: torch.Tensor, *, accumulate_into: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if accumulate_into is None:
+            return dz.t() @ a
+        return accumulate_into.add_(dz.t() @ a)
+
+    def entry_bwd(self, dx: torch.Tensor, tokens: torch.Tensor, *, num_embeddings: int) -> torch.Tensor:
+        st = stat_dtype(dx.dtype)
+        grad = torch.zeros(num_embeddings, dx.shape[1], dtype=st, device=dx.device)
+        return grad.index_add_(0, tokens, dx.to(st)).to(dx.dtype)
+
+
+register_backend("reference", ReferenceStages())

@@ -1,0 +1,394 @@
+"""The stage API of the CODA block (DESIGN §3): one method per forward and per backward stage.
+
+A CODA layer is a short sequence of *GEMM + epilogue* stages, attention, and tiny row
+reductions. This module fixes what every stage takes and returns; backends implement it:
+
+- ``reference`` (`codatrain.kernels.reference`): pure PyTorch, any device, the specification.
+- ``cute`` (`codatrain.kernels.cute`): CuTeDSL/QuACK kernels for sm_90 GPUs.
+
+Conventions shared by every stage
+---------------------------------
+- Activations are 2-D row-major ``(M, N)`` tensors, one row per token (M = B·T). Weights are
+  ``(out, in)`` as stored in the model, so a GEMM computes ``D = A·Wᵀ``.
+- All floating tensors passed to one call (activations and weights) share one dtype, the
+  *activation dtype* (bf16 in training, fp32/fp64 in tests). Per-row and per-column statistics
+  (``sq_partials``, ``rstd``, ``zdz``, ``lse``, ``target_logit``, ``dgamma_partials``,
+  ``grad_scale``) use the *statistics dtype* `stat_dtype(activation dtype)`: fp32 for 16-bit
+  inputs, the input dtype otherwise.
+- Layouts are the CODA layouts, not the canonical (HF) ones: gate/up weight rows are interleaved
+  ``[g0, u0, g1, u1, …]``; inside each q and k head the RoPE pairs are adjacent columns
+  ``(2i, 2i+1)``, rotated by angle ``position · rope_theta^(-2i/head_dim)`` as
+  ``(a, b) → (a·cos − b·sin, a·sin + b·cos)``. The fused QKV columns are
+  ``[q heads | k heads | v heads]``, each head ``head_dim`` wide; the first ``rope_heads`` heads
+  (h_q + h_kv) are rotated, the v heads are not.
+- RMSNorm is split as in DESIGN §3: the stage that produces the residual stream ``x`` writes
+  ``h = x ⊙ γ`` and partial sums of x²; `rstd_from_partials` turns them into
+  ``rstd = (mean_j x_j² + ε)^-1/2``; the consuming GEMM multiplies its accumulator rows by rstd.
+- ``zdz`` is always the raw row dot product ``zdz[m] = Σ_n z[m, n] · dz[m, n]`` between the
+  output ``z`` of the GEMM that consumes a norm and its gradient ``dz``. `gemm_rms_bwd` divides
+  it by the norm width d (DESIGN's ZdZ = zdz / d).
+- No stage keeps state between calls; every input and output is explicit.
+
+Registering a backend
+---------------------
+A backend is a `StageBackend` subclass instance. Its module registers it on import with one line::
+
+    register_backend("cute", CuteStages())
+
+`get_backend(name, device)` imports the module that provides ``name`` (see `_PROVIDERS`) when it
+is not registered yet. ``"auto"`` picks ``cute`` on an sm_90 GPU when it imports, else
+``reference``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import warnings
+from abc import ABC, abstractmethod
+from typing import NamedTuple
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+def stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of statistics for activations of `dtype`: fp32 for 16-bit floats, else `dtype`."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+# ---- stage outputs ---------------------------------------------------------------------------
+
+
+class EntryOut(NamedTuple):
+    x: torch.Tensor  # (M, d) activation dtype: the embedded tokens, the residual stream x0
+    h: torch.Tensor  # (M, d) activation dtype: x ⊙ γ_attn of layer 0
+    rstd: torch.Tensor  # (M,) stat dtype: (mean x² + ε)^-1/2 of x
+
+
+class ResidualOut(NamedTuple):
+    x: torch.Tensor  # (M, d) activation dtype: residual + A·Wᵀ, the new residual stream
+    h: torch.Tensor  # (M, d) activation dtype: x ⊙ γ, the next GEMM's A operand
+    sq_partials: torch.Tensor  # (M, P) stat dtype: column-tile partial sums of x², Σ_p = Σ_j x_j²
+
+
+class SwigluOut(NamedTuple):
+    preact: torch.Tensor  # (M, 2F) activation dtype: rstd ⊙ (h·W_guᵀ), gate/up interleaved
+    y: torch.Tensor  # (M, F) activation dtype: silu(g) · u
+
+
+class LseOut(NamedTuple):
+    lse: torch.Tensor  # (M,) stat dtype: log Σ_v exp(logit_v)
+    target_logit: torch.Tensor  # (M,) stat dtype: logit of the target; 0 where ignored
+
+
+class RopeBwdOut(NamedTuple):
+    dz: torch.Tensor  # (M, N_qkv) activation dtype: gradient before RoPE (rotated back)
+    zdz: torch.Tensor  # (M,) stat dtype: Σ_n z·dz over all N_qkv columns (= Σ qkv·dqkv)
+
+
+class CeBwdOut(NamedTuple):
+    dlogits: torch.Tensor  # (M, V) activation dtype: grad_scale · (softmax − onehot(target))
+    zdz: torch.Tensor  # (M,) stat dtype: Σ_v logit_v · dlogit_v
+
+
+class RmsBwdOut(NamedTuple):
+    dx: torch.Tensor  # (M, d) activation dtype: gradient of the residual stream x
+    n: torch.Tensor  # (M, d) activation dtype: the recomputed normed input rstd ⊙ x ⊙ γ
+    dgamma_partials: torch.Tensor  # (P_m, d) stat dtype: row-tile partial sums of dγ; Σ over dim 0 = dγ
+
+
+class DSwigluOut(NamedTuple):
+    dpreact: torch.Tensor  # (M, 2F) activation dtype: (dg, du) interleaved like preact
+    y: torch.Tensor  # (M, F) activation dtype: silu(g) · u recomputed, the A operand of dW_down
+    zdz: torch.Tensor  # (M,) stat dtype: Σ_f (g·dg + u·du)
+
+
+# ---- the stage interface ---------------------------------------------------------------------
+
+
+class StageBackend(ABC):
+    """One implementation of every CODA stage. Subclasses implement all abstract methods.
+
+    Forward of one middle layer (DESIGN §3): `gemm_residual_rms` (F1, out-proj) →
+    `rstd_from_partials` (R1) → `gemm_rstd_swiglu` (F2) → `gemm_residual_rms` (F3, down) →
+    `rstd_from_partials` (R2) → `gemm_rstd_rope` (F4, next layer's QKV) → attention.
+    The model starts with `entry` + `gemm_rstd_rope` and ends with `gemm_rstd_lse` (training) or
+    `gemm_rstd` (logits). The backward stages mirror them.
+    """
+
+    name: str
+
+    def unsupported_reason(self, device: torch.device) -> str | None:
+        """Why this backend cannot run on `device`, or None when it can."""
+        return None
+
+    # ---- forward ---------------------------------------------------------------------------
+
+    @abstractmethod
+    def entry(
+        self,
+        tokens: torch.Tensor,
+        embedding: torch.Tensor,
+        gamma: torch.Tensor,
+        *,
+        eps: float,
+        dtype: torch.dtype | None = None,
+    ) -> EntryOut:
+        """Model entry: embedding lookup and the first attention norm's statistics.
+
+        tokens (M,) int64 token ids; embedding (V, d); gamma (d,) = γ_attn of layer 0.
+        dtype: activation dtype of the outputs (default: the embedding's), so a full-precision
+        embedding table need not be cast as a whole under autocast.
+        Returns x = embedding[tokens], h = x ⊙ γ, rstd = (mean_j x_j² + eps)^-1/2 (of x as written).
+        """
+
+    @abstractmethod
+    def gemm_residual_rms(
+        self,
+        a: torch.Tensor,
+        weight: torch.Tensor,
+        residual: torch.Tensor,
+        gamma: torch.Tensor,
+        *,
+        tile_n: int = 128,
+    ) -> ResidualOut:
+        """F1 (out-projection) and F3 (down-projection): GEMM + residual add + norm statistics.
+
+        a (M, K); weight (d, K); residual (M, d); gamma (d,) of the norm that follows.
+        Returns x = residual + a·Wᵀ, h = x ⊙ γ and sq_partials (M, P): partial sums of x² (of x
+        as written) over column tiles of width tile_n, P = ceil(d / tile_n). Consumers rely only
+        on Σ_p sq_partials[:, p]; a backend whose GEMM tile differs may return another P ≥ 1.
+        """
+
+    @abstractmethod
+    def rstd_from_partials(self, sq_partials: torch.Tensor, *, dim: int, eps: float) -> torch.Tensor:
+        """R: rstd (M,) = (Σ_p sq_partials[:, p] / dim + eps)^-1/2, in the stat dtype."""
+
+    @abstractmethod
+    def gemm_rstd_swiglu(self, h: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> SwigluOut:
+        """F2: row-scaled gate/up GEMM with SwiGLU.
+
+        h (M, d); weight (2F, d) with gate/up rows interleaved; rstd (M,).
+        Returns preact = rstd ⊙ (h·Wᵀ) (M, 2F), kept for the backward, and y = silu(g)·u (M, F)
+        with g = preact[:, 0::2], u = preact[:, 1::2].
+        """
+
+    @abstractmethod
+    def gemm_rstd_rope(
+        self,
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        rstd: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        head_dim: int,
+        rope_heads: int,
+        rope_theta: float,
+    ) -> torch.Tensor:
+        """F4: row-scaled QKV GEMM with RoPE on the q and k heads.
+
+        h (M, d); weight (N_qkv, d) in the CODA layout (RoPE pairs adjacent); rstd (M,);
+        positions (M,) int64 position of each token within its sequence.
+        Returns qkv (M, N_qkv) = rope(rstd ⊙ (h·Wᵀ)), rotating adjacent pairs of the first
+        rope_heads·head_dim columns (module docstring); the v columns pass through.
+        """
+
+    @abstractmethod
+    def gemm_rstd(self, h: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+        """Row-scaled GEMM without a further epilogue: z = rstd ⊙ (h·Wᵀ). Used for full logits
+        (the model's forward without targets), not in training."""
+
+    @abstractmethod
+    def gemm_rstd_lse(
+        self,
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        rstd: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        ignore_index: int = IGNORE_INDEX,
+    ) -> LseOut:
+        """LM head: row-scaled GEMM whose epilogue reduces log-sum-exp and the target logit.
+
+        h (M, d) = x ⊙ γ_final; weight (V, d); rstd (M,); targets (M,) int64.
+        logits = rstd ⊙ (h·Wᵀ) are never kept whole: at most a chunk of rows at a time.
+        Returns lse (M,) and target_logit (M,), 0 where targets == ignore_index. The loss of a
+        row is lse − target_logit.
+        """
+
+    # ---- backward --------------------------------------------------------------------------
+
+    @abstractmethod
+    def rope_bwd(
+        self,
+        dqkv: torch.Tensor,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        head_dim: int,
+        rope_heads: int,
+        rope_theta: float,
+    ) -> RopeBwdOut:
+        """Backward of F4's RoPE epilogue, with the ZdZ of the attention norm.
+
+        dqkv (M, N_qkv) from attention's backward; qkv (M, N_qkv) the F4 output; positions and
+        RoPE arguments as in `gemm_rstd_rope`. Returns dz = the gradient rotated back by −angle
+        and zdz = Σ_n qkv·dqkv, which equals Σ_n z·dz because RoPE is orthogonal.
+        """
+
+    @abstractmethod
+    def gemm_rstd_ce_bwd(
+        self,
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        rstd: torch.Tensor,
+        targets: torch.Tensor,
+        lse: torch.Tensor,
+        grad_scale: torch.Tensor,
+        *,
+        ignore_index: int = IGNORE_INDEX,
+    ) -> CeBwdOut:
+        """Cross-entropy backward for a block of rows: recompute logits, emit dlogits and ZdZ.
+
+        h, weight, rstd, targets as in `gemm_rstd_lse` (for the rows of this block); lse (M,) from
+        the forward; grad_scale: 0-d stat-dtype tensor, d(loss)/d(Σ_rows row loss) (for a mean
+        loss: upstream gradient / number of counted targets). Call it on row chunks so that one
+        chunk of M×V is alive at a time.
+        Returns dlogits = grad_scale·(softmax(logits) − onehot(target)), zero rows where
+        targets == ignore_index, and zdz = Σ_v logits·dlogits (= grad_scale·(E_softmax[ℓ] − ℓ_target)).
+        """
+
+    @abstractmethod
+    def row_dot(self, z: torch.Tensor, dz: torch.Tensor) -> torch.Tensor:
+        """zdz (M,) = Σ_n z·dz in the stat dtype: the ZdZ of a norm consumed by `gemm_rstd`."""
+
+    @abstractmethod
+    def gemm_rms_bwd(
+        self,
+        dz: torch.Tensor,
+        weight: torch.Tensor,
+        x: torch.Tensor,
+        gamma: torch.Tensor,
+        rstd: torch.Tensor,
+        zdz: torch.Tensor,
+        residual_grad: torch.Tensor | None = None,
+        *,
+        tile_m: int = 128,
+    ) -> RmsBwdOut:
+        """RMSNorm backward in the epilogue of the dgrad GEMM of the norm's consumer (ZdZ identity).
+
+        dz (M, N) gradient of the consumer's output z = rstd ⊙ ((x⊙γ)·Wᵀ); weight (N, d) the
+        consumer's weight; x (M, d) the residual stream the norm read; gamma (d,); rstd (M,);
+        zdz (M,) = Σ_n z·dz from the stage that produced dz; residual_grad (M, d) or None: the
+        gradient reaching x through the residual path, added in the epilogue.
+        With dn = dz·W: dx = rstd ⊙ (dn ⊙ γ − x ⊙ rstd · zdz/d) + residual_grad;
+        n = rstd ⊙ x ⊙ γ (the A operand of the consumer's wgrad dW = dzᵀ·n);
+        dgamma_partials (P_m, d): sums of dn ⊙ x ⊙ rstd over row tiles of tile_m rows,
+        P_m = ceil(M / tile_m); dγ = dgamma_partials.sum(0). Consumers rely only on that sum.
+        """
+
+    @abstractmethod
+    def gemm_dswiglu(self, dout: torch.Tensor, weight: torch.Tensor, preact: torch.Tensor) -> DSwigluOut:
+        """Down-projection dgrad with the SwiGLU backward in its epilogue, and the MLP norm's ZdZ.
+
+        dout (M, d) gradient of the down-projection output (the residual-stream gradient);
+        weight (d, F) = W_down; preact (M, 2F) from `gemm_rstd_swiglu`.
+        With dy = dout·W: dg = dy·u·silu'(g), du = dy·silu(g). Returns dpreact (interleaved like
+        preact), y = silu(g)·u recomputed for dW_down = doutᵀ·y, and zdz = Σ_f (g·dg + u·du).
+        """
+
+    @abstractmethod
+    def dgrad(self, dz: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Plain dgrad GEMM: dz (M, N), weight (N, K) → dz·W (M, K) (the out-projection's)."""
+
+    @abstractmethod
+    def wgrad(
+        self, dz: torch.Tensor, a: torch.Tensor, *, accumulate_into: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Plain wgrad GEMM: dz (M, N), a (M, K) → dzᵀ·a (N, K).
+
+        With accumulate_into (N, K), adds the product into it in place and returns it (used to
+        sum the LM-head weight gradient over row chunks); it may have the stat dtype, so that the
+        sum over chunks is not rounded to the activation dtype at every step.
+        """
+
+    @abstractmethod
+    def entry_bwd(self, dx: torch.Tensor, tokens: torch.Tensor, *, num_embeddings: int) -> torch.Tensor:
+        """Embedding backward: dx (M, d), tokens (M,) → dembedding (num_embeddings, d) in dx's dtype,
+        row v = Σ of dx rows whose token is v (accumulated in the stat dtype)."""
+
+
+# ---- registry --------------------------------------------------------------------------------
+
+
+class BackendUnavailableError(RuntimeError):
+    """A stage backend (or attention implementation) was asked for but cannot run here."""
+
+
+_BACKENDS: dict[str, StageBackend] = {}
+
+# The module whose import registers each backend. `cute` needs the cuda extras
+# (`pip install 'codatrain[cuda]'`) and registers itself in codatrain/kernels/cute/__init__.py.
+_PROVIDERS = {"reference": "codatrain.kernels.reference", "cute": "codatrain.kernels.cute"}
+
+
+def register_backend(name: str, backend: StageBackend) -> None:
+    """Make `backend` available as `name` (called once by the backend's module on import)."""
+    backend.name = name
+    _BACKENDS[name] = backend
+
+
+def _load(name: str) -> StageBackend:
+    if name not in _BACKENDS:
+        if name not in _PROVIDERS:
+            known = ", ".join(sorted({*_PROVIDERS, *_BACKENDS, "auto"}))
+            raise ValueError(f"unknown stage backend {name!r}; known backends: {known}")
+        hint = (
+            "It needs an sm_90 GPU and the cuda extras (pip install 'codatrain[cuda]'); "
+            "block.backend=reference runs anywhere."
+        )
+        try:
+            importlib.import_module(_PROVIDERS[name])
+        except ImportError as exc:
+            raise BackendUnavailableError(f"stage backend {name!r} is unavailable: {exc}. {hint}") from exc
+        if name not in _BACKENDS:
+            raise BackendUnavailableError(
+                f"stage backend {name!r} is unavailable: {_PROVIDERS[name]} did not register it. {hint}"
+            )
+    return _BACKENDS[name]
+
+
+def is_sm90(device: torch.device) -> bool:
+    """True for a CUDA device of compute capability 9.0 (Hopper), the target of the cute kernels."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+@functools.cache
+def _auto_backend(device: torch.device) -> StageBackend:
+    if is_sm90(device):
+        try:
+            cute = _load("cute")
+            if cute.unsupported_reason(device) is None:
+                return cute
+        except BackendUnavailableError as exc:
+            warnings.warn(f"block.backend=auto falls back to the reference stages: {exc}", stacklevel=3)
+    return _load("reference")
+
+
+def get_backend(name: str, device: torch.device | str) -> StageBackend:
+    """The stage backend `name` (reference | cute | auto) for tensors on `device`.
+
+    Raises BackendUnavailableError when an explicitly requested backend cannot run on `device`.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if name == "auto":
+        return _auto_backend(device)
+    backend = _load(name)
+    reason = backend.unsupported_reason(device)
+    if reason is not None:
+        raise BackendUnavailableError(f"stage backend {name!r} cannot run on {device}: {reason}")
+    return backend

@@ -1,0 +1,444 @@
+"""The CODA Llama: the same model as `codatrain.model.llama.Llama`, computed as GEMM + epilogue stages.
+
+Every memory-bound operator (RMSNorm, RoPE, residual adds, SwiGLU, the LM-head cross-entropy)
+runs inside a stage of `codatrain.kernels.stages` (DESIGN §3). Custom autograd Functions call the
+forward stages and, in backward, the backward stages: autograd never differentiates through
+stage math, only through attention, which sits between Functions.
+
+Module structure follows the stage boundaries. F3 (down-projection) writes h = x ⊙ γ for the
+*next* layer's attention norm and F4 is the next layer's QKV GEMM, so each module owns the
+parameters its stages touch ("shifted" layers), and FSDP2 can shard one module at a time:
+
+    entry     embedding, γ_attn₀, W_qkv₀                 entry → F4₀
+    layers[i] W_oᵢ, γ_mlpᵢ, W_guᵢ, W_downᵢ, γ_attnᵢ₊₁, W_qkvᵢ₊₁   attention → F1 R1 F2 F3 R2 → F4ᵢ₊₁
+    last      W_o, γ_mlp, W_gu, W_down, γ_final, W_lm_head    attention → F1 R1 F2 F3 R2 → LM head
+
+The checkpoint format stays canonical (eager names and layouts): `canonical_names`,
+`to_canonical` and `from_canonical` map names and permute rows (RoPE pairs adjacent inside each
+q/k head, gate/up rows interleaved).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from codatrain.kernels.stages import IGNORE_INDEX, StageBackend, get_backend
+from codatrain.model.attention import AttentionFn, causal_attention, get_attention
+from codatrain.model.config import LlamaConfig
+from codatrain.model.llama import CanonicalLayout
+
+# Rows of the LM-head backward processed at once are chosen so that one chunk of dlogits holds
+# about this many elements (128M: 256 MiB in bf16), far below the M×V logits of an eager head.
+HEAD_CHUNK_ELEMENTS = 1 << 27
+
+
+@dataclass(frozen=True)
+class _Consts:
+    """Non-tensor stage arguments fixed by the model config."""
+
+    dim: int
+    eps: float
+    head_dim: int
+    rope_heads: int
+    rope_theta: float
+
+    @property
+    def rope(self) -> dict:
+        return {"head_dim": self.head_dim, "rope_heads": self.rope_heads, "rope_theta": self.rope_theta}
+
+
+@dataclass(frozen=True)
+class _Step:
+    """What every module needs for one forward pass, resolved once by `CodaLlama.forward`."""
+
+    stages: StageBackend
+    attention: AttentionFn
+    positions: torch.Tensor  # (M,) int64: position of each token row within its sequence
+    batch: int
+    dtype: torch.dtype | None  # the autocast dtype when autocast is on: custom Functions are not
+    # autocast-aware, so the modules cast their parameters themselves
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return t if dtype is None or t.dtype == dtype else t.to(dtype)
+
+
+def _dgamma(partials: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+    return partials.sum(0).to(gamma.dtype)
+
+
+# ---- the MLP half of a shifted layer, shared by the middle and the last layer ------------------
+
+
+def _mlp_forward(
+    s: StageBackend, c: _Consts, o: torch.Tensor, x_in: torch.Tensor, w_o: torch.Tensor,
+    gamma_mlp: torch.Tensor, w_gu: torch.Tensor, w_down: torch.Tensor, gamma_out: torch.Tensor,
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """F1 R1 F2 F3 R2. Returns (tensors the backward needs, x_out, h_out = x_out ⊙ γ_out, rstd_out)."""
+    x1, h1, sq1 = s.gemm_residual_rms(o, w_o, x_in, gamma_mlp)
+    r1 = s.rstd_from_partials(sq1, dim=c.dim, eps=c.eps)
+    preact, y = s.gemm_rstd_swiglu(h1, w_gu, r1)
+    x2, h2, sq2 = s.gemm_residual_rms(y, w_down, x1, gamma_out)
+    r2 = s.rstd_from_partials(sq2, dim=c.dim, eps=c.eps)
+    return (o, x1, r1, preact, w_o, gamma_mlp, w_gu, w_down), x2, h2, r2
+
+
+def _mlp_backward(
+    s: StageBackend, saved: tuple[torch.Tensor, ...], dx2: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """Backward of `_mlp_forward` given dx2, the full gradient of x_out.
+
+    Returns (do, dx_in, dW_o, dγ_mlp, dW_gu, dW_down).
+    """
+    o, x1, r1, preact, w_o, gamma_mlp, w_gu, w_down = saved
+    dpreact, y, zdz = s.gemm_dswiglu(dx2, w_down, preact)
+    dw_down = s.wgrad(dx2, y)
+    # x1 feeds both the MLP norm and the residual path to x2, whose gradient the epilogue adds.
+    dx1, n1, dgamma = s.gemm_rms_bwd(dpreact, w_gu, x1, gamma_mlp, r1, zdz, dx2)
+    dw_gu = s.wgrad(dpreact, n1)
+    do = s.dgrad(dx1, w_o)
+    dw_o = s.wgrad(dx1, o)
+    # x1 = x_in + o·W_oᵀ: x_in's gradient is dx1 itself.
+    return do, dx1, dw_o, _dgamma(dgamma, gamma_mlp), dw_gu, dw_down
+
+
+_MLP_SAVED = 8  # number of tensors `_mlp_forward` hands to the backward
+
+
+def _unpack(ctx) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """(the tensors `_mlp_forward` saved, the Function's own). Reads ctx.saved_tensors once:
+    under activation checkpointing a second read is an error."""
+    saved = ctx.saved_tensors
+    return saved[:_MLP_SAVED], saved[_MLP_SAVED:]
+
+
+# ---- autograd Functions: forward stages in forward, backward stages in backward ----------------
+# The modules call `apply` with autocast off, and each backward turns it off too (a backward()
+# called inside an autocast region would otherwise run under it): stages choose their own dtypes.
+
+
+class _EntryFn(torch.autograd.Function):
+    """tokens → (x0, qkv0): entry, then layer 0's F4."""
+
+    @staticmethod
+    def forward(ctx, tokens, positions, embedding, gamma, w_qkv, s, c, dtype):
+        x, h, rstd = s.entry(tokens, embedding, gamma, eps=c.eps, dtype=dtype)
+        qkv = s.gemm_rstd_rope(h, w_qkv, rstd, positions, **c.rope)
+        ctx.save_for_backward(tokens, positions, x, rstd, qkv, gamma, w_qkv)
+        ctx.s, ctx.c, ctx.embedding_meta = s, c, (embedding.shape[0], embedding.dtype)
+        return x, qkv
+
+    @staticmethod
+    def backward(ctx, dx_residual, dqkv):
+        tokens, positions, x, rstd, qkv, gamma, w_qkv = ctx.saved_tensors
+        s, c = ctx.s, ctx.c
+        with torch.autocast(dqkv.device.type, enabled=False):
+            dz, zdz = s.rope_bwd(dqkv, qkv, positions, **c.rope)
+            dx, n, dgamma = s.gemm_rms_bwd(dz, w_qkv, x, gamma, rstd, zdz, dx_residual)
+            vocab, embedding_dtype = ctx.embedding_meta
+            dembedding = s.entry_bwd(dx, tokens, num_embeddings=vocab).to(embedding_dtype)
+            dw_qkv = s.wgrad(dz, n)
+        return None, None, dembedding, _dgamma(dgamma, gamma), dw_qkv, None, None, None
+
+
+class _LayerFn(torch.autograd.Function):
+    """(attention output o, x_in) → (x_out, qkv of the next layer): F1 R1 F2 F3 R2 F4."""
+
+    @staticmethod
+    def forward(ctx, o, x_in, w_o, gamma_mlp, w_gu, w_down, gamma_next, w_qkv_next, positions, s, c):
+        mlp_saved, x2, h2, r2 = _mlp_forward(s, c, o, x_in, w_o, gamma_mlp, w_gu, w_down, gamma_next)
+        qkv = s.gemm_rstd_rope(h2, w_qkv_next, r2, positions, **c.rope)
+        ctx.save_for_backward(*mlp_saved, x2, r2, qkv, positions, gamma_next, w_qkv_next)
+        ctx.s, ctx.c = s, c
+        return x2, qkv
+
+    @staticmethod
+    def backward(ctx, dx_residual, dqkv):
+        mlp_saved, (x2, r2, qkv, positions, gamma_next, w_qkv_next) = _unpack(ctx)
+        s, c = ctx.s, ctx.c
+        with torch.autocast(dqkv.device.type, enabled=False):
+            dz, zdz = s.rope_bwd(dqkv, qkv, positions, **c.rope)
+            dx2, n2, dgamma_next = s.gemm_rms_bwd(dz, w_qkv_next, x2, gamma_next, r2, zdz, dx_residual)
+            dw_qkv_next = s.wgrad(dz, n2)
+            mlp_grads = _mlp_backward(s, mlp_saved, dx2)
+        return *mlp_grads, _dgamma(dgamma_next, gamma_next), dw_qkv_next, None, None, None
+
+
+class _FinalLossFn(torch.autograd.Function):
+    """(o, x_in) → mean cross-entropy: F1 R1 F2 F3 R2, then the LM head's LSE stage."""
+
+    @staticmethod
+    def forward(ctx, o, x_in, w_o, gamma_mlp, w_gu, w_down, gamma_final, w_lm, targets, s, c, chunk_rows):
+        mlp_saved, x2, h2, r2 = _mlp_forward(s, c, o, x_in, w_o, gamma_mlp, w_gu, w_down, gamma_final)
+        lse, target_logit = s.gemm_rstd_lse(h2, w_lm, r2, targets)
+        counted = targets != IGNORE_INDEX
+        count = counted.sum()
+        # Like F.cross_entropy: the mean over counted targets (NaN when there are none).
+        loss = torch.where(counted, lse - target_logit, 0.0).sum() / count
+        ctx.save_for_backward(*mlp_saved, x2, h2, r2, lse, targets, count, gamma_final, w_lm)
+        ctx.s, ctx.chunk_rows = s, chunk_rows
+        return loss
+
+    @staticmethod
+    def backward(ctx, dloss):
+        mlp_saved, (x2, h2, r2, lse, targets, count, gamma_final, w_lm) = _unpack(ctx)
+        s = ctx.s
+        with torch.autocast(dloss.device.type, enabled=False):
+            grad_scale = dloss.to(r2.dtype) / count
+            # The head is processed in row chunks so that one chunk of dlogits is alive at a time;
+            # its weight gradient and dγ are summed over chunks in the statistics dtype.
+            dw_lm = torch.zeros(w_lm.shape, dtype=r2.dtype, device=w_lm.device)
+            dgamma = torch.zeros(gamma_final.shape, dtype=r2.dtype, device=w_lm.device)
+            dx2_chunks = []
+            for start in range(0, x2.shape[0], ctx.chunk_rows):
+                rows = slice(start, start + ctx.chunk_rows)
+                r = r2[rows]
+                dlogits, zdz = s.gemm_rstd_ce_bwd(h2[rows], w_lm, r, targets[rows], lse[rows], grad_scale)
+                dx, n, dgamma_partials = s.gemm_rms_bwd(dlogits, w_lm, x2[rows], gamma_final, r, zdz)
+                s.wgrad(dlogits, n, accumulate_into=dw_lm)
+                dgamma += dgamma_partials.sum(0)
+                dx2_chunks.append(dx)
+            mlp_grads = _mlp_backward(s, mlp_saved, torch.cat(dx2_chunks))
+        return (
+            *mlp_grads, dgamma.to(gamma_final.dtype), dw_lm.to(w_lm.dtype), None, None, None, None
+        )
+
+
+class _FinalLogitsFn(torch.autograd.Function):
+    """(o, x_in) → logits (M, V): F1 R1 F2 F3 R2, then the row-scaled LM-head GEMM."""
+
+    @staticmethod
+    def forward(ctx, o, x_in, w_o, gamma_mlp, w_gu, w_down, gamma_final, w_lm, s, c):
+        mlp_saved, x2, h2, r2 = _mlp_forward(s, c, o, x_in, w_o, gamma_mlp, w_gu, w_down, gamma_final)
+        logits = s.gemm_rstd(h2, w_lm, r2)
+        ctx.save_for_backward(*mlp_saved, x2, r2, logits, gamma_final, w_lm)
+        ctx.s = s
+        return logits
+
+    @staticmethod
+    def backward(ctx, dlogits):
+        mlp_saved, (x2, r2, logits, gamma_final, w_lm) = _unpack(ctx)
+        s = ctx.s
+        with torch.autocast(dlogits.device.type, enabled=False):
+            zdz = s.row_dot(logits, dlogits)
+            dx2, n2, dgamma = s.gemm_rms_bwd(dlogits, w_lm, x2, gamma_final, r2, zdz)
+            dw_lm = s.wgrad(dlogits, n2)
+            mlp_grads = _mlp_backward(s, mlp_saved, dx2)
+        return *mlp_grads, _dgamma(dgamma, gamma_final), dw_lm, None, None
+
+
+# ---- modules -----------------------------------------------------------------------------------
+
+
+def _consts(cfg: LlamaConfig) -> _Consts:
+    return _Consts(
+        dim=cfg.dim, eps=cfg.norm_eps, head_dim=cfg.head_dim,
+        rope_heads=cfg.n_heads + cfg.n_kv_heads, rope_theta=cfg.rope_theta,
+    )
+
+
+def _param(*shape: int) -> nn.Parameter:
+    # Values come from `CodaLlama.init_weights` (or a checkpoint), drawn per canonical tensor.
+    return nn.Parameter(torch.empty(*shape))
+
+
+class CodaEntry(nn.Module):
+    """Embedding and layer 0's attention norm and QKV weight."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.consts = _consts(cfg)
+        self.embedding = _param(cfg.vocab_size, cfg.dim)
+        self.gamma_attn = _param(cfg.dim)
+        self.w_qkv = _param(cfg.qkv_dim, cfg.dim)
+
+    def forward(self, tokens: torch.Tensor, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens (M,) → (x0 (M, d), qkv0 (M, N_qkv))."""
+        with torch.autocast(tokens.device.type, enabled=False):
+            # The embedding is not cast as a whole: the entry stage writes its rows in step.dtype.
+            return _EntryFn.apply(
+                tokens, step.positions, self.embedding, _cast(self.gamma_attn, step.dtype),
+                _cast(self.w_qkv, step.dtype), step.stages, self.consts, step.dtype,
+            )
+
+
+class _ShiftedLayer(nn.Module):
+    """Attention of layer i, its out-projection and MLP, and the norm γ that F3 applies."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg, self.consts = cfg, _consts(cfg)
+        self.w_o = _param(cfg.dim, cfg.n_heads * cfg.head_dim)
+        self.gamma_mlp = _param(cfg.dim)
+        self.w_gate_up = _param(2 * cfg.ffn_dim, cfg.dim)
+        self.w_down = _param(cfg.dim, cfg.ffn_dim)
+
+    def attention(self, qkv: torch.Tensor, step: _Step) -> torch.Tensor:
+        cfg = self.cfg
+        return causal_attention(qkv, step.batch, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, step.attention)
+
+    def mlp_params(self, dtype: torch.dtype | None) -> list[torch.Tensor]:
+        return [_cast(p, dtype) for p in (self.w_o, self.gamma_mlp, self.w_gate_up, self.w_down)]
+
+
+class CodaLayer(_ShiftedLayer):
+    """Layer i (not the last) plus layer i+1's attention norm γ and QKV weight."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__(cfg)
+        self.gamma_attn_next = _param(cfg.dim)
+        self.w_qkv_next = _param(cfg.qkv_dim, cfg.dim)
+
+    def forward(self, qkv: torch.Tensor, x: torch.Tensor, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
+        """(qkv_i, x_in) → (x_out, qkv_{i+1})."""
+        o = self.attention(qkv, step)
+        with torch.autocast(x.device.type, enabled=False):
+            return _LayerFn.apply(
+                o, x, *self.mlp_params(step.dtype), _cast(self.gamma_attn_next, step.dtype),
+                _cast(self.w_qkv_next, step.dtype), step.positions, step.stages, self.consts,
+            )
+
+
+class CodaFinalLayer(_ShiftedLayer):
+    """The last layer plus the final norm γ and the LM head."""
+
+    def __init__(self, cfg: LlamaConfig, head_chunk_rows: int) -> None:
+        super().__init__(cfg)
+        self.head_chunk_rows = head_chunk_rows
+        self.gamma_final = _param(cfg.dim)
+        self.w_lm_head = _param(cfg.vocab_size, cfg.dim)
+
+    def forward(
+        self, qkv: torch.Tensor, x: torch.Tensor, step: _Step, targets: torch.Tensor | None
+    ) -> torch.Tensor:
+        """(qkv, x_in, targets (M,)) → mean loss; without targets, logits (M, V)."""
+        o = self.attention(qkv, step)
+        params = [*self.mlp_params(step.dtype), _cast(self.gamma_final, step.dtype),
+                  _cast(self.w_lm_head, step.dtype)]
+        with torch.autocast(x.device.type, enabled=False):
+            if targets is None:
+                return _FinalLogitsFn.apply(o, x, *params, step.stages, self.consts)
+            return _FinalLossFn.apply(o, x, *params, targets, step.stages, self.consts, self.head_chunk_rows)
+
+
+# ---- canonical layout ---------------------------------------------------------------------------
+
+
+def qkv_row_order(cfg: LlamaConfig, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Native QKV row r holds canonical row order[r].
+
+    Canonical (HF) q/k heads rotate rows (j, j + d_h/2); the CODA layout puts each such pair on
+    adjacent rows (2j, 2j+1) so the RoPE epilogue rotates neighbouring accumulator columns.
+    v rows keep their order. q and k move together, so attention scores are unchanged.
+    """
+    half = cfg.head_dim // 2
+    pair_first = torch.arange(half, device=device)
+    per_head = torch.stack([pair_first, pair_first + half], dim=1).flatten()
+    rope_heads = cfg.n_heads + cfg.n_kv_heads
+    rope_rows = (torch.arange(rope_heads, device=device)[:, None] * cfg.head_dim + per_head).flatten()
+    return torch.cat([rope_rows, torch.arange(rope_heads * cfg.head_dim, cfg.qkv_dim, device=device)])
+
+
+def gate_up_row_order(cfg: LlamaConfig, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Native gate/up row r holds canonical row order[r]: [g0, u0, g1, u1, …] from [gate; up]."""
+    gate = torch.arange(cfg.ffn_dim, device=device)
+    return torch.stack([gate, gate + cfg.ffn_dim], dim=1).flatten()
+
+
+class CodaLlama(nn.Module, CanonicalLayout):
+    """Llama decoder computed as CODA stages. `forward(tokens)` gives logits; `forward(tokens,
+    targets)` the mean cross-entropy over targets that are not IGNORE_INDEX.
+
+    backend: stage backend (reference | cute | auto); attention: sdpa | fa4 | auto.
+    head_chunk_rows: rows per chunk of the LM-head backward (default: HEAD_CHUNK_ELEMENTS / V).
+    """
+
+    def __init__(
+        self, cfg: LlamaConfig, backend: str = "auto", attention: str = "auto",
+        head_chunk_rows: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.cfg, self.backend, self.attention = cfg, backend, attention
+        self.entry = CodaEntry(cfg)
+        chunk_rows = head_chunk_rows or max(1, HEAD_CHUNK_ELEMENTS // cfg.vocab_size)
+        self.layers = nn.ModuleList(
+            [*(CodaLayer(cfg) for _ in range(cfg.n_layers - 1)), CodaFinalLayer(cfg, chunk_rows)]
+        )
+        if self.entry.embedding.device.type != "meta":
+            self.init_weights(seed=0)
+
+    def blocks(self) -> list[nn.Module]:
+        """The modules FSDP2 shards one at a time: the entry and every shifted layer."""
+        return [self.entry, *self.layers]
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        batch, seq = tokens.shape
+        if seq > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {seq} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        device = tokens.device
+        step = _Step(
+            stages=get_backend(self.backend, device),
+            attention=get_attention(self.attention, device),
+            positions=torch.arange(seq, device=device).repeat(batch),
+            batch=batch,
+            dtype=torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None,
+        )
+        x, qkv = self.entry(tokens.reshape(-1), step)
+        for layer in self.layers[:-1]:
+            x, qkv = layer(qkv, x, step)
+        if targets is None:
+            return self.layers[-1](qkv, x, step, None).view(batch, seq, -1)
+        return self.layers[-1](qkv, x, step, targets.reshape(-1))
+
+    # ---- canonical state ------------------------------------------------------------------
+    def canonical_names(self) -> dict[str, str]:
+        """Native parameter FQN → canonical (eager) FQN. Parsed from the FQN's first components
+        and its last one, so wrappers inserted in between (activation checkpointing) are fine."""
+        names = {}
+        for fqn, _ in self.named_parameters():
+            parts = fqn.split(".")
+            local = parts[-1]
+            if parts[0] == "entry":
+                names[fqn] = {
+                    "embedding": "embed_tokens.weight",
+                    "gamma_attn": "layers.0.input_layernorm.weight",
+                    "w_qkv": "layers.0.self_attn.qkv_proj.weight",
+                }[local]
+                continue
+            i = int(parts[1])
+            names[fqn] = {
+                "w_o": f"layers.{i}.self_attn.o_proj.weight",
+                "gamma_mlp": f"layers.{i}.post_attention_layernorm.weight",
+                "w_gate_up": f"layers.{i}.mlp.gate_up_proj.weight",
+                "w_down": f"layers.{i}.mlp.down_proj.weight",
+                "gamma_attn_next": f"layers.{i + 1}.input_layernorm.weight",
+                "w_qkv_next": f"layers.{i + 1}.self_attn.qkv_proj.weight",
+                "gamma_final": "norm.weight",
+                "w_lm_head": "lm_head.weight",
+            }[local]
+        return names
+
+    def _row_order(self, name: str, device: torch.device) -> torch.Tensor | None:
+        local = name.rsplit(".", 1)[-1]
+        if local in ("w_qkv", "w_qkv_next"):
+            return qkv_row_order(self.cfg, device)
+        if local == "w_gate_up":
+            return gate_up_row_order(self.cfg, device)
+        return None
+
+    def from_canonical(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The native tensor for parameter `name` from its full canonical tensor (same shape)."""
+        order = self._row_order(name, tensor.device)
+        return tensor if order is None else tensor[order]
+
+    def to_canonical(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The full canonical tensor from the full native tensor of parameter `name`."""
+        order = self._row_order(name, tensor.device)
+        if order is None:
+            return tensor
+        canonical = torch.empty_like(tensor)
+        canonical[order] = tensor
+        return canonical

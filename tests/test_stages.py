@@ -1,0 +1,229 @@
+"""The stage API and its reference backend: forward conventions, and every backward stage against
+torch.autograd of the forward stages it inverts (fp64)."""
+
+import math
+
+import pytest
+import torch
+
+from codatrain.kernels.reference import ReferenceStages
+from codatrain.kernels.stages import (
+    IGNORE_INDEX,
+    BackendUnavailableError,
+    StageBackend,
+    get_backend,
+    register_backend,
+)
+from codatrain.model.attention import get_attention, sdpa_attention
+
+M, D, K, F, V = 37, 40, 24, 18, 29  # rows, model width, out-proj input, MLP width, vocab
+HEAD_DIM, ROPE_HEADS, KV_HEADS = 8, 3, 1  # QKV: 3 rotated heads (2 q + 1 k) and 1 v head
+N_QKV = (ROPE_HEADS + KV_HEADS) * HEAD_DIM
+EPS, THETA = 1e-5, 1000.0
+ROPE = {"head_dim": HEAD_DIM, "rope_heads": ROPE_HEADS, "rope_theta": THETA}
+
+
+@pytest.fixture
+def s() -> ReferenceStages:
+    # A tiny logits budget makes the LM head's forward work in several row chunks.
+    return ReferenceStages(logits_chunk_elements=5 * V)
+
+
+def rand(*shape, scale=1.0, requires_grad=True):
+    return (torch.randn(*shape, dtype=torch.float64) * scale).requires_grad_(requires_grad)
+
+
+def norm_producer(s):
+    """F1 + R: the residual stream x that a norm reads, built from leaves autograd can reach."""
+    a, w_o, residual = rand(M, K), rand(D, K, scale=K**-0.5), rand(M, D)
+    gamma = (1 + 0.3 * torch.randn(D, dtype=torch.float64)).requires_grad_()
+    x, h, sq = s.gemm_residual_rms(a, w_o, residual, gamma, tile_n=16)
+    rstd = s.rstd_from_partials(sq, dim=D, eps=EPS)
+    return (a, w_o, residual, gamma), (x, h, rstd)
+
+
+def producer_grads(s, leaves, dx):
+    """Backward stages of F1, given the gradient of its output x."""
+    a, w_o, _, _ = leaves
+    return s.dgrad(dx, w_o), s.wgrad(dx, a), dx
+
+
+def assert_grads(expected, actual):
+    for e, a in zip(expected, actual, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-12)
+
+
+def test_residual_rms_forward_conventions(s):
+    (a, w_o, residual, gamma), (x, h, rstd) = norm_producer(s)
+    sq = s.gemm_residual_rms(a, w_o, residual, gamma, tile_n=16).sq_partials
+    assert sq.shape == (M, math.ceil(D / 16))
+    expected_x = residual + a @ w_o.t()
+    torch.testing.assert_close(x, expected_x)
+    torch.testing.assert_close(h, expected_x * gamma)
+    torch.testing.assert_close(sq[:, 1], expected_x[:, 16:32].square().sum(-1))
+    torch.testing.assert_close(rstd, torch.rsqrt(expected_x.square().mean(-1) + EPS))
+
+
+def test_stat_dtypes_for_bf16_inputs(s):
+    bf16 = {"dtype": torch.bfloat16}
+    out = s.gemm_residual_rms(torch.randn(M, K, **bf16), torch.randn(D, K, **bf16), torch.randn(M, D, **bf16),
+                              torch.ones(D, **bf16))
+    assert out.x.dtype == out.h.dtype == torch.bfloat16 and out.sq_partials.dtype == torch.float32
+    rstd = s.rstd_from_partials(out.sq_partials, dim=D, eps=EPS)
+    preact, y = s.gemm_rstd_swiglu(out.h, torch.randn(2 * F, D, **bf16), rstd)
+    assert rstd.dtype == torch.float32 and preact.dtype == y.dtype == torch.bfloat16
+
+
+def test_rope_rotates_adjacent_pairs_and_keeps_v(s):
+    h, w, rstd = rand(M, D), rand(N_QKV, D), torch.rand(M, dtype=torch.float64) + 0.5
+    positions = torch.arange(M) % 11
+    qkv = s.gemm_rstd_rope(h, w, rstd, positions, **ROPE)
+    z = (h @ w.t()) * rstd[:, None]
+    rope_cols = ROPE_HEADS * HEAD_DIM
+    torch.testing.assert_close(qkv[:, rope_cols:], z[:, rope_cols:])
+    # head 1, pair i = 2: angle position · θ^(-2i/d_h)
+    col = HEAD_DIM + 2 * 2
+    angle = positions.double() * THETA ** (-4 / HEAD_DIM)
+    a, b = z[:, col], z[:, col + 1]
+    torch.testing.assert_close(qkv[:, col], a * angle.cos() - b * angle.sin())
+    torch.testing.assert_close(qkv[:, col + 1], a * angle.sin() + b * angle.cos())
+
+
+def test_qkv_backward_stages(s):
+    """rope_bwd → gemm_rms_bwd (with the residual gradient) → wgrad, then F1's dgrad/wgrad."""
+    leaves, (x, h, rstd) = norm_producer(s)
+    w_qkv = rand(N_QKV, D, scale=D**-0.5)
+    positions = torch.arange(M) % 13
+    qkv = s.gemm_rstd_rope(h, w_qkv, rstd, positions, **ROPE)
+    dqkv, dresidual = torch.randn_like(qkv), torch.randn_like(x)
+    loss = (qkv * dqkv).sum() + (x * dresidual).sum()
+    expected = torch.autograd.grad(loss, [*leaves, w_qkv])
+
+    with torch.no_grad():
+        dz, zdz = s.rope_bwd(dqkv, qkv, positions, **ROPE)
+        dx, n, dgamma_partials = s.gemm_rms_bwd(dz, w_qkv, x, leaves[3], rstd, zdz, dresidual, tile_m=8)
+        assert dgamma_partials.shape == (math.ceil(M / 8), D)
+        torch.testing.assert_close(n, h * rstd[:, None])
+        da, dw_o, dres = producer_grads(s, leaves, dx)
+        actual = [da, dw_o, dres, dgamma_partials.sum(0), s.wgrad(dz, n)]
+    assert_grads(expected, actual)
+
+
+def test_mlp_backward_stages(s):
+    """gemm_dswiglu → gemm_rms_bwd (residual gradient = dout) → wgrads, then F1's."""
+    leaves, (x, h, rstd) = norm_producer(s)
+    w_gu, w_down = rand(2 * F, D, scale=D**-0.5), rand(D, F, scale=F**-0.5)
+    preact, y = s.gemm_rstd_swiglu(h, w_gu, rstd)
+    out = s.gemm_residual_rms(y, w_down, x, torch.ones(D, dtype=torch.float64)).x
+    dout = torch.randn_like(out)
+    expected = torch.autograd.grad((out * dout).sum(), [*leaves, w_gu, w_down])
+
+    with torch.no_grad():
+        dpreact, y2, zdz = s.gemm_dswiglu(dout, w_down, preact)
+        torch.testing.assert_close(y2, y)
+        torch.testing.assert_close(zdz, (preact * dpreact).sum(-1))
+        dx, n, dgamma_partials = s.gemm_rms_bwd(dpreact, w_gu, x, leaves[3], rstd, zdz, dout)
+        actual = [*producer_grads(s, leaves, dx), dgamma_partials.sum(0), s.wgrad(dpreact, n),
+                  s.wgrad(dout, y2)]
+    assert_grads(expected, actual)
+
+
+def test_cross_entropy_backward_stages(s):
+    """gemm_rstd_ce_bwd on row chunks → gemm_rms_bwd → wgrad accumulated over chunks."""
+    leaves, (x, h, rstd) = norm_producer(s)
+    w_lm = rand(V, D, scale=D**-0.5)
+    targets = torch.randint(0, V, (M,))
+    targets[::4] = IGNORE_INDEX
+    lse, target_logit = s.gemm_rstd_lse(h, w_lm, rstd, targets)
+    grad_scale = torch.tensor(0.37, dtype=torch.float64)
+    loss = grad_scale * torch.where(targets != IGNORE_INDEX, lse - target_logit, 0.0).sum()
+    expected = torch.autograd.grad(loss, [*leaves, w_lm])
+
+    with torch.no_grad():
+        logits = (h @ w_lm.t()) * rstd[:, None]
+        torch.testing.assert_close(lse, torch.logsumexp(logits, -1))
+        dw_lm = torch.zeros_like(w_lm)
+        dx_chunks, dgamma = [], 0
+        for rows in (slice(0, 20), slice(20, M)):
+            dlogits, zdz = s.gemm_rstd_ce_bwd(h[rows], w_lm, rstd[rows], targets[rows], lse[rows], grad_scale)
+            # DESIGN §3: ZdZ of the final norm = grad_scale·(E_softmax[ℓ] − ℓ_target) on counted rows.
+            p = torch.softmax(logits[rows], -1)
+            counted = targets[rows] != IGNORE_INDEX
+            expected_zdz = grad_scale * ((p * logits[rows]).sum(-1) - target_logit[rows])
+            torch.testing.assert_close(zdz, torch.where(counted, expected_zdz, 0.0))
+            dx, n, dgamma_partials = s.gemm_rms_bwd(dlogits, w_lm, x[rows], leaves[3], rstd[rows], zdz)
+            s.wgrad(dlogits, n, accumulate_into=dw_lm)
+            dx_chunks.append(dx)
+            dgamma = dgamma + dgamma_partials.sum(0)
+        da, dw_o, dres = producer_grads(s, leaves, torch.cat(dx_chunks))
+    assert_grads(expected, [da, dw_o, dres, dgamma, dw_lm])
+
+
+def test_logits_backward_stages(s):
+    """row_dot → gemm_rms_bwd → wgrad, for the plain row-scaled GEMM (full logits)."""
+    leaves, (x, h, rstd) = norm_producer(s)
+    w_lm = rand(V, D, scale=D**-0.5)
+    logits = s.gemm_rstd(h, w_lm, rstd)
+    dlogits = torch.randn_like(logits)
+    expected = torch.autograd.grad((logits * dlogits).sum(), [*leaves, w_lm])
+    with torch.no_grad():
+        dx, n, dgamma_partials = s.gemm_rms_bwd(dlogits, w_lm, x, leaves[3], rstd, s.row_dot(logits, dlogits))
+        actual = [*producer_grads(s, leaves, dx), dgamma_partials.sum(0), s.wgrad(dlogits, n)]
+    assert_grads(expected, actual)
+
+
+def test_entry_backward_stages(s):
+    """entry → F4 forward; rope_bwd → gemm_rms_bwd → entry_bwd backward."""
+    tokens = torch.randint(0, V, (M,))
+    tokens[:5] = 3  # repeated tokens: their gradients must add up
+    embedding, w_qkv = rand(V, D), rand(N_QKV, D, scale=D**-0.5)
+    gamma = (1 + 0.3 * torch.randn(D, dtype=torch.float64)).requires_grad_()
+    positions = torch.arange(M)
+    x, h, rstd = s.entry(tokens, embedding, gamma, eps=EPS)
+    torch.testing.assert_close(rstd, torch.rsqrt(x.square().mean(-1) + EPS))
+    qkv = s.gemm_rstd_rope(h, w_qkv, rstd, positions, **ROPE)
+    dqkv, dresidual = torch.randn_like(qkv), torch.randn_like(x)
+    expected = torch.autograd.grad((qkv * dqkv).sum() + (x * dresidual).sum(), [embedding, gamma, w_qkv])
+    with torch.no_grad():
+        dz, zdz = s.rope_bwd(dqkv, qkv, positions, **ROPE)
+        dx, n, dgamma_partials = s.gemm_rms_bwd(dz, w_qkv, x, gamma, rstd, zdz, dresidual)
+        actual = [s.entry_bwd(dx, tokens, num_embeddings=V), dgamma_partials.sum(0), s.wgrad(dz, n)]
+    assert_grads(expected, actual)
+
+
+def test_entry_casts_rows_not_the_table(s):
+    embedding = torch.randn(V, D)
+    x, h, rstd = s.entry(torch.arange(4), embedding, torch.ones(D, dtype=torch.bfloat16), eps=EPS,
+                         dtype=torch.bfloat16)
+    assert x.dtype == h.dtype == torch.bfloat16 and rstd.dtype == torch.float32
+    torch.testing.assert_close(x, embedding[:4].bfloat16())
+
+
+# ---- registries --------------------------------------------------------------------------------
+
+
+def test_backend_registry_on_cpu():
+    assert isinstance(get_backend("reference", "cpu"), ReferenceStages)
+    assert get_backend("auto", "cpu") is get_backend("reference", "cpu")
+    with pytest.raises(BackendUnavailableError, match="'cute'"):
+        get_backend("cute", "cpu")
+    with pytest.raises(ValueError, match="unknown stage backend 'triton'"):
+        get_backend("triton", "cpu")
+
+
+def test_registering_a_backend_is_one_line():
+    class Doubling(ReferenceStages):
+        def dgrad(self, dz, weight):
+            return 2 * super().dgrad(dz, weight)
+
+    register_backend("test-doubling", Doubling())
+    backend = get_backend("test-doubling", "cpu")
+    assert isinstance(backend, StageBackend) and backend.name == "test-doubling"
+    assert torch.equal(backend.dgrad(torch.ones(2, 3), torch.ones(3, 4)), torch.full((2, 4), 6.0))
+
+
+def test_attention_registry_on_cpu():
+    assert get_attention("sdpa", torch.device("cpu")) is sdpa_attention
+    assert get_attention("auto", torch.device("cpu")) is sdpa_attention
+    with pytest.raises(BackendUnavailableError, match="'fa4'"):
+        get_attention("fa4", torch.device("cpu"))
