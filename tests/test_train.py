@@ -68,3 +68,10 @@ def test_fsdp_two_processes_follow_one_process(tmp_path, run_torchrun):
     # fp32 on CPU: only the order of the gradient sums differs (reduce-scatter vs accumulation).
     for step, loss in one.losses.items():
         assert two[step] == pytest.approx(loss, rel=1e-4), step
+
+
+@pytest.mark.slow
+def test_per_block_compile_gives_the_same_losses(tmp_path):
+    plain = run(tmp_path / "a", "train.steps=3")
+    compiled = run(tmp_path / "b", "train.steps=3", "train.compile=true")
+    assert compiled.losses == pytest.approx(plain.losses, rel=1e-5)
