@@ -1,7 +1,16 @@
-"""Time the CODA forward stages of one block against their GEMM floor and the eager ops.
+"""Time one CODA block, forward and backward, against its GEMM floor, eager PyTorch and torch.compile.
 
-For every forward stage of the chosen backend (`--impl`) it reports, at the widths of a model
-preset and M tokens:
+The headline (section `fwd_bwd`) is one middle layer, forward + backward, timed interleaved in one
+process for four implementations:
+- eager: `codatrain.model.llama.Block` in bf16 (SDPA attention);
+- compile: the same block under torch.compile;
+- CODA: `codatrain.model.coda.CodaLayer` on the chosen backend (`--impl`), FA4 attention on cute;
+- floor: the same twelve GEMMs in cuBLAS (torch.mm: four forward, four dgrad, four wgrad) plus
+  the attention forward + backward: what a design whose non-GEMM work hides in epilogues
+  approaches.
+Targets at Llama-3-8B shapes: CODA ≤ 1.05 × floor and compile / CODA ≥ 1.15.
+
+Per stage (sections `stages` and `layer`) it reports, at the widths of a model preset and M tokens:
 - the stage's own time;
 - the same GEMM alone (cuBLAS through torch.mm, bf16 output), the floor a fused epilogue aims at;
 - the eager PyTorch ops the stage replaces (the reference backend's stage, which is the GEMM
@@ -11,7 +20,8 @@ attention (FA4 when the backend is cute, else SDPA) and for one whole layer forw
 attention, F1 R1 F2 F3 R2) against its floor (the four GEMMs alone plus attention) and the eager
 Llama block complete the table. Times are medians of many runs, all measured in one process.
 
-    python scripts/bench_block.py --impl cute                     # Llama-3-8B widths, M = 8192
+    python scripts/bench_block.py --impl cute --compile           # Llama-3-8B widths, M = 8192
+    python scripts/bench_block.py --impl cute --compile --sections fwd_bwd
     python scripts/bench_block.py --impl cute --sweep F1 F3       # + time candidate GEMM configs
     python scripts/bench_block.py --impl reference --model tiny --tokens 512 --device cpu
 """
@@ -32,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from codatrain.kernels.stages import StageBackend, get_backend  # noqa: E402
 from codatrain.model.attention import get_attention  # noqa: E402
+from codatrain.model.coda import HEAD_CHUNK_ELEMENTS, CodaLayer, _Step  # noqa: E402
 from codatrain.model.config import LlamaConfig, get_preset  # noqa: E402
 from codatrain.model.llama import Block, rope_cos_sin  # noqa: E402
 
@@ -96,6 +107,15 @@ class Inputs:
         self.sq_partials = torch.rand(tokens, -(-d // 128), device=device)
         self.rope = {"head_dim": cfg.head_dim, "rope_heads": cfg.n_heads + cfg.n_kv_heads,
                      "rope_theta": cfg.rope_theta}
+        # Backward operands: gradients arriving at the stages, and the forward tensors they read.
+        self.qkv = randn(tokens, cfg.qkv_dim)
+        self.dqkv = randn(tokens, cfg.qkv_dim)
+        self.preact = randn(tokens, 2 * f)
+        self.zdz = torch.randn(tokens, device=device)
+        # One LM-head backward chunk, as the CODA model cuts it (codatrain.model.coda).
+        self.head_rows = min(tokens, max(1, HEAD_CHUNK_ELEMENTS // cfg.vocab_size))
+        self.lse = torch.rand(tokens, device=device) + 10
+        self.grad_scale = torch.tensor(1.0 / tokens, device=device)
 
 
 Row = tuple[str, Callable, Callable | None, Callable]  # name, timed call, GEMM floor, eager call
@@ -111,6 +131,12 @@ def stage_rows(s: StageBackend, ref: StageBackend, x: Inputs) -> list[Row]:
     def gemm(a: torch.Tensor, w: torch.Tensor) -> Callable:
         return lambda: torch.mm(a, w.t())
 
+    def dgrad(dz: torch.Tensor, w: torch.Tensor) -> Callable:
+        return lambda: torch.mm(dz, w)
+
+    def wgrad(dz: torch.Tensor, a: torch.Tensor) -> Callable:
+        return lambda: torch.mm(dz.t(), a)
+
     rows = []
     for name, method, args, kwargs, floor in [
         ("entry", "entry", (x.tokens, x.embedding, x.gamma), {"eps": EPS}, None),
@@ -124,6 +150,19 @@ def stage_rows(s: StageBackend, ref: StageBackend, x: Inputs) -> list[Row]:
         ("LM head ·r +LSE +target", "gemm_rstd_lse", (x.h, x.w_head, x.rstd, x.tokens), {},
          gemm(x.h, x.w_head)),
         ("LM head ·r (logits)", "gemm_rstd", (x.h, x.w_head, x.rstd), {}, gemm(x.h, x.w_head)),
+        ("B RoPE bwd + ZdZ", "rope_bwd", (x.dqkv, x.qkv, x.positions), x.rope, None),
+        ("B QKV dgrad + RMSNorm bwd + residual", "gemm_rms_bwd",
+         (x.dqkv, x.w_qkv, x.x, x.gamma, x.rstd, x.zdz, x.x), {}, dgrad(x.dqkv, x.w_qkv)),
+        ("B down dgrad + dSwiGLU + ZdZ", "gemm_dswiglu", (x.x, x.w_down, x.preact), {},
+         dgrad(x.x, x.w_down)),
+        ("B gate/up dgrad + RMSNorm bwd + residual", "gemm_rms_bwd",
+         (x.preact, x.w_gu, x.x, x.gamma, x.rstd, x.zdz, x.x), {}, dgrad(x.preact, x.w_gu)),
+        ("B out-proj dgrad", "dgrad", (x.x, x.w_o), {}, dgrad(x.x, x.w_o)),
+        ("B gate/up wgrad", "wgrad", (x.preact, x.h), {}, wgrad(x.preact, x.h)),
+        ("B LM-head CE bwd (one chunk)", "gemm_rstd_ce_bwd",
+         (x.h[:x.head_rows], x.w_head, x.rstd[:x.head_rows], x.tokens[:x.head_rows], x.lse[:x.head_rows],
+          x.grad_scale), {}, gemm(x.h[:x.head_rows], x.w_head)),
+        ("B embedding bwd", "entry_bwd", (x.x, x.tokens), {"num_embeddings": c.vocab_size}, None),
     ]:
         stage, eager = both(method, *args, **kwargs)
         rows.append((name, stage, floor, eager))
@@ -186,6 +225,72 @@ def layer_rows(
     return rows
 
 
+def fwd_bwd_fns(
+    s: StageBackend, x: Inputs, device: torch.device, attention_name: str, compile_eager: bool
+) -> dict[str, Callable]:
+    """One middle layer forward + backward: eager, compile (optional), CODA and the floor.
+
+    Every call clears the parameter gradients first, so no call pays for accumulating into the
+    previous call's gradients."""
+    c, b, t, m = x.cfg, x.batch, x.seq_len, x.m
+    dtype = x.x.dtype
+    attention = get_attention(attention_name, device)
+
+    def randn(*shape: int, fan_in: int = 1) -> torch.Tensor:
+        return (torch.randn(*shape, device=device) * fan_in**-0.5).to(dtype)
+
+    with torch.device(device):
+        layer = CodaLayer(c).to(dtype)
+        block = Block(c).to(dtype)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if p.ndim == 1 else randn(*p.shape, fan_in=p.shape[1]))
+    step = _Step(stages=s, attention=attention, positions=x.positions, batch=b, dtype=None)
+    qkv_in = x.qkv.detach().clone().requires_grad_()
+    x_in = x.x.detach().clone().requires_grad_()
+    dx_out, dqkv_out = randn(m, c.dim), randn(m, c.qkv_dim)
+
+    def coda() -> None:
+        layer.zero_grad(set_to_none=True)
+        qkv_in.grad = x_in.grad = None
+        torch.autograd.backward(layer(qkv_in, x_in, step), (dx_out, dqkv_out))
+
+    cos, sin = rope_cos_sin(torch.arange(t, device=device), c.head_dim, c.rope_theta, dtype)
+    x_btd = x.x.view(b, t, c.dim).detach().clone().requires_grad_()
+    dout = dx_out.view(b, t, c.dim)
+
+    def run_block(module: Callable) -> Callable:
+        def run() -> None:
+            block.zero_grad(set_to_none=True)
+            x_btd.grad = None
+            module(x_btd, cos, sin).backward(dout)
+
+        return run
+
+    # The floor: the layer's GEMMs alone (forward, dgrad and wgrad of each weight) and attention.
+    qkv_split = x.qkv.view(b, t, -1, c.head_dim).detach().requires_grad_()
+    dattn = randn(b, t, c.n_heads, c.head_dim)
+    d_o, d_pre = randn(m, c.dim), randn(m, 2 * c.ffn_dim)
+
+    def floor() -> None:
+        torch.mm(x.h, x.w_qkv.t())
+        q, k, v = qkv_split.split([c.n_heads, c.n_kv_heads, c.n_kv_heads], dim=2)
+        attention(q, k, v).backward(dattn)
+        qkv_split.grad = None
+        torch.mm(x.attn_out, x.w_o.t())
+        torch.mm(x.h, x.w_gu.t())
+        torch.mm(x.y, x.w_down.t())
+        for dz, w, a in ((d_o, x.w_down, x.y), (d_pre, x.w_gu, x.h), (d_o, x.w_o, x.attn_out),
+                         (x.dqkv, x.w_qkv, x.h)):
+            torch.mm(dz, w)
+            torch.mm(dz.t(), a)
+
+    fns = {"eager": run_block(block), "CODA": coda, "floor": floor}
+    if compile_eager:
+        fns["compile"] = run_block(torch.compile(block))
+    return fns
+
+
 def sweep(x: Inputs, device: torch.device, stages: list[str], warmup: int, iters: int) -> list[dict]:
     """Time cute GEMM stages under candidate tile configs (the winners go into CONFIGS)."""
     from codatrain.kernels.cute import gemm_stages
@@ -238,6 +343,10 @@ def main() -> None:
     p.add_argument("--compile", action="store_true", help="also time the torch.compile'd eager block")
     p.add_argument("--sweep", nargs="*", metavar="STAGE",
                    help="time candidate GEMM configs of these cute stages (F1 F2 F3 F4 LM; none: all)")
+    p.add_argument("--sections", nargs="+", default=["stages", "layer", "fwd_bwd"],
+                   choices=["stages", "layer", "fwd_bwd"],
+                   help="stages: every stage alone; layer: attention and the layer forward; "
+                        "fwd_bwd: the layer forward + backward against eager, compile and the floor")
     p.add_argument("--json", type=Path, help="write the measurements to this file")
     args = p.parse_args()
     if args.tokens % args.seq_len:
@@ -258,7 +367,11 @@ def main() -> None:
     results = {"model": args.model, "tokens": args.tokens, "impl": s.name, "stages": [], "sweep": []}
     if args.sweep is not None:
         results["sweep"] = sweep(x, device, args.sweep, args.warmup, args.iters)
-    rows = stage_rows(s, ref, x) + layer_rows(s, x, device, attention_name, args.compile)
+    rows = []
+    if "stages" in args.sections:
+        rows += stage_rows(s, ref, x)
+    if "layer" in args.sections:
+        rows += layer_rows(s, x, device, attention_name, args.compile)
     header = (f"{'stage':44s} {'stage ms':>9s} {'GEMM ms':>9s} {'eager ms':>9s} "
               f"{'stage/GEMM':>11s} {'eager/stage':>12s}")
     lines = []
@@ -275,7 +388,18 @@ def main() -> None:
             f"{name:44s} {t_stage:9.3f} {floor_txt} {t_eager:9.3f} {ratio_txt} {t_eager / t_stage:12.2f}"
         )
         print(lines[-1], flush=True)
-    print("\n" + header + "\n" + "\n".join(lines))
+    if lines:
+        print("\n" + header + "\n" + "\n".join(lines))
+    if "fwd_bwd" in args.sections:
+        fns = fwd_bwd_fns(s, x, device, attention_name, args.compile)
+        times = dict(zip(fns, median_ms(list(fns.values()), device, warmup=args.warmup, iters=args.iters),
+                         strict=True))
+        results["fwd_bwd"] = times
+        print(f"\none layer forward + backward ({args.model}, M={args.tokens}, CODA impl={s.name}, "
+              f"attention {attention_name}; eager/compile: SDPA)")
+        print(f"{'implementation':16s} {'ms':>9s} {'/ floor':>9s} {'/ CODA':>9s}")
+        for name, ms in times.items():
+            print(f"{name:16s} {ms:9.3f} {ms / times['floor']:9.3f} {ms / times['CODA']:9.3f}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

@@ -28,7 +28,7 @@ def canonical_init_tensor(name: str, shape: torch.Size, cfg: LlamaConfig, seed: 
     if std is None:
         return torch.ones(shape)
     generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    return torch.randn(shape, generator=generator).mul_(std)
+    return torch.randn(shape, generator=generator, device="cpu").mul_(std)
 
 
 def set_full_tensor(param: torch.Tensor, full: torch.Tensor) -> None:

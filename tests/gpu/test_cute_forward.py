@@ -1,19 +1,9 @@
-"""The cute forward stages and FA4 attention against the reference, on an sm_90 GPU.
-
-Criterion (DESIGN §5): on fresh random bf16 inputs, the error of a cute output against the
-reference stage run in fp32 is at most twice the error of the reference stage run in bf16 (both
-as ‖out − ref‖ / ‖ref‖; a floor of 1e-6 covers outputs that bf16 cannot perturb, such as fp32
-statistics of fp32 inputs). Every output buffer the stages allocate is filled with NaN first, so
-an element a kernel fails to write cannot pass.
-
-Shapes: Llama-3-8B block widths at M = 8192 tokens, and a smaller model whose M, vocab and MLP
-width are not multiples of any GEMM tile.
-"""
+"""The cute forward stages and FA4 attention against the reference, on an sm_90 GPU, with the
+criterion and shapes of cute_check.py."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -23,6 +13,20 @@ if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 
 pytest.importorskip("quack")
 pytest.importorskip("flash_attn.cute")
 
+from cute_check import (  # noqa: E402
+    DEVICE,
+    EPS,
+    SHAPES,
+    Shape,
+    check,
+    gamma,
+    poison,
+    positions,
+    randn,
+    rstd_of,
+    run_both,
+)
+
 from codatrain.kernels.cute import entry as cute_entry  # noqa: E402
 from codatrain.kernels.cute import gemm_stages  # noqa: E402
 from codatrain.kernels.cute.attention import fa4_attention  # noqa: E402
@@ -30,32 +34,6 @@ from codatrain.kernels.stages import IGNORE_INDEX, get_backend  # noqa: E402
 from codatrain.model.attention import get_attention, sdpa_attention  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-DEVICE = torch.device("cuda")
-EPS = 1e-5
-FLOOR = 1e-6
-
-
-@dataclass(frozen=True)
-class Shape:
-    name: str
-    tokens: int  # M
-    seq_len: int  # tokens per sequence (M = batch · seq_len)
-    dim: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    ffn_dim: int
-    vocab: int
-
-    @property
-    def qkv_dim(self) -> int:
-        return (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
-
-
-SHAPES = [
-    Shape("llama3_8b", 8192, 4096, 4096, 32, 8, 128, 14336, 128256),
-    Shape("ragged", 1000, 500, 1024, 8, 2, 128, 2816, 50264),
-]
 
 
 @pytest.fixture(params=SHAPES, ids=lambda s: s.name)
@@ -67,53 +45,16 @@ def shape(request) -> Shape:
 def poisoned_outputs(monkeypatch):
     """Fill every output buffer the cute stages allocate with NaN before the kernel runs."""
 
-    def poisoned_stage_empty(*shape: int, like: torch.Tensor, dtype: torch.dtype | None = None):
-        return torch.full(shape, math.nan, dtype=dtype or like.dtype, device=like.device)
-
     def poisoned_entry_empty(*shape: int, dtype: torch.dtype, device: torch.device):
         return torch.full(shape, math.nan, dtype=dtype, device=device)
 
-    monkeypatch.setattr(gemm_stages, "_empty", poisoned_stage_empty)
+    poison(monkeypatch, gemm_stages)
     monkeypatch.setattr(cute_entry, "_empty", poisoned_entry_empty)
 
 
 @pytest.fixture(scope="module")
 def backends():
     return get_backend("cute", DEVICE), get_backend("reference", DEVICE)
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
-def check(name: str, cute: torch.Tensor, bf16_ref: torch.Tensor, fp32_ref: torch.Tensor) -> None:
-    assert cute.shape == fp32_ref.shape, f"{name}: shape {tuple(cute.shape)} != {tuple(fp32_ref.shape)}"
-    assert torch.isfinite(cute).all(), f"{name}: non-finite values (unwritten or overflowed)"
-    err, bf16_err = rel_err(cute, fp32_ref), rel_err(bf16_ref, fp32_ref)
-    print(f"{name}: cute {err:.3e}  reference-bf16 {bf16_err:.3e}")
-    assert err <= max(2 * bf16_err, FLOOR), f"{name}: error {err:.3e} > 2 × bf16 reference {bf16_err:.3e}"
-
-
-def run_both(ref, method: str, *args, **kwargs):
-    """The reference stage on the bf16 inputs and on their fp32 upcasts."""
-    up = [a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
-    return getattr(ref, method)(*args, **kwargs), getattr(ref, method)(*up, **kwargs)
-
-
-def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
-    return (torch.randn(*shape, device=DEVICE) * scale).to(torch.bfloat16)
-
-
-def gamma(dim: int) -> torch.Tensor:
-    return (torch.rand(dim, device=DEVICE) + 0.5).to(torch.bfloat16)
-
-
-def rstd_of(rows: int) -> torch.Tensor:
-    return torch.rand(rows, device=DEVICE) + 0.5
-
-
-def positions(shape: Shape) -> torch.Tensor:
-    return torch.arange(shape.tokens, device=DEVICE) % shape.seq_len
 
 
 def test_cute_is_selected_on_sm90():

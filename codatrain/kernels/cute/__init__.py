@@ -6,9 +6,12 @@ flash-attn-4); without them the import raises ImportError, which `stages.get_bac
 a BackendUnavailableError that names the fix. The backend runs on sm_90 GPUs only
 (`CuteStages.unsupported_reason`).
 
-Forward stages run as kernels: `entry` (entry.py), the GEMM + epilogue stages (gemm_stages.py,
-epilogues in epilogues.py) and the rstd reduction. The backward stages are still the
-reference implementations, running as PyTorch ops on the GPU.
+Every stage runs as a kernel:
+- forward: `entry` (entry.py), the GEMM + epilogue stages (gemm_stages.py) and the rstd reduction;
+- backward: the GEMM + epilogue stages (gemm_bwd_stages.py: RMSNorm backward, dSwiGLU, the
+  cross-entropy backward, plain dgrad/wgrad), the row-wise RoPE backward and row dot
+  (rowwise.py) and the embedding backward (entry.py).
+The epilogues QuACK's library lacks are in epilogues.py.
 """
 
 from __future__ import annotations
@@ -18,13 +21,17 @@ from pathlib import Path
 import quack.cache
 import torch
 
-from codatrain.kernels.cute import attention, entry, gemm_stages
-from codatrain.kernels.reference import ReferenceStages
+from codatrain.kernels.cute import attention, entry, gemm_bwd_stages, gemm_stages, rowwise
 from codatrain.kernels.stages import (
     IGNORE_INDEX,
+    CeBwdOut,
+    DSwigluOut,
     EntryOut,
     LseOut,
     ResidualOut,
+    RmsBwdOut,
+    RopeBwdOut,
+    StageBackend,
     SwigluOut,
     is_sm90,
     register_backend,
@@ -46,8 +53,8 @@ def _check_activations(stage: str, *tensors: torch.Tensor) -> None:
             raise TypeError(f"cute {stage}: activations and weights must share one 16-bit dtype, got {got}")
 
 
-class CuteStages(ReferenceStages):
-    """Forward stages as Hopper kernels; the backward stages are inherited from the reference."""
+class CuteStages(StageBackend):
+    """Every CODA stage as a Hopper kernel (CuTeDSL on QuACK's GEMM)."""
 
     def unsupported_reason(self, device: torch.device) -> str | None:
         if not is_sm90(device):
@@ -119,6 +126,85 @@ class CuteStages(ReferenceStages):
     ) -> LseOut:
         _check_activations("gemm_rstd_lse", h, weight)
         return LseOut(*gemm_stages.gemm_rstd_lse(h, weight, rstd, targets, ignore_index=ignore_index))
+
+    # ---- backward --------------------------------------------------------------------------
+
+    def rope_bwd(
+        self,
+        dqkv: torch.Tensor,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        head_dim: int,
+        rope_heads: int,
+        rope_theta: float,
+    ) -> RopeBwdOut:
+        _check_activations("rope_bwd", dqkv, qkv)
+        return RopeBwdOut(
+            *rowwise.rope_bwd(
+                dqkv, qkv, positions, head_dim=head_dim, rope_heads=rope_heads, rope_theta=rope_theta
+            )
+        )
+
+    def gemm_rstd_ce_bwd(
+        self,
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        rstd: torch.Tensor,
+        targets: torch.Tensor,
+        lse: torch.Tensor,
+        grad_scale: torch.Tensor,
+        *,
+        ignore_index: int = IGNORE_INDEX,
+    ) -> CeBwdOut:
+        _check_activations("gemm_rstd_ce_bwd", h, weight)
+        out = gemm_bwd_stages.gemm_rstd_ce_bwd(
+            h, weight, rstd, targets, lse, grad_scale, ignore_index=ignore_index
+        )
+        return CeBwdOut(*out)
+
+    def row_dot(self, z: torch.Tensor, dz: torch.Tensor) -> torch.Tensor:
+        _check_activations("row_dot", z, dz)
+        return rowwise.row_dot(z, dz)
+
+    def gemm_rms_bwd(
+        self,
+        dz: torch.Tensor,
+        weight: torch.Tensor,
+        x: torch.Tensor,
+        gamma: torch.Tensor,
+        rstd: torch.Tensor,
+        zdz: torch.Tensor,
+        residual_grad: torch.Tensor | None = None,
+        *,
+        tile_m: int = 128,
+    ) -> RmsBwdOut:
+        # The dγ partials follow the kernel's own row tile (the API allows any P_m), not tile_m.
+        extra = () if residual_grad is None else (residual_grad,)
+        _check_activations("gemm_rms_bwd", dz, weight, x, gamma, *extra)
+        return RmsBwdOut(*gemm_bwd_stages.gemm_rms_bwd(dz, weight, x, gamma, rstd, zdz, residual_grad))
+
+    def gemm_dswiglu(self, dout: torch.Tensor, weight: torch.Tensor, preact: torch.Tensor) -> DSwigluOut:
+        _check_activations("gemm_dswiglu", dout, weight, preact)
+        return DSwigluOut(*gemm_bwd_stages.gemm_dswiglu(dout, weight, preact))
+
+    def dgrad(self, dz: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        _check_activations("dgrad", dz, weight)
+        return gemm_bwd_stages.dgrad(dz, weight)
+
+    def wgrad(
+        self, dz: torch.Tensor, a: torch.Tensor, *, accumulate_into: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        _check_activations("wgrad", dz, a)
+        if accumulate_into is None:
+            return gemm_bwd_stages.wgrad(dz, a)
+        gemm_bwd_stages.wgrad_accumulate(dz, a, accumulate_into)
+        return accumulate_into
+
+    def entry_bwd(self, dx: torch.Tensor, tokens: torch.Tensor, *, num_embeddings: int) -> torch.Tensor:
+        if dx.dtype not in _ACTIVATION_DTYPES:
+            raise TypeError(f"cute entry_bwd: the gradient must be 16-bit, got {dx.dtype}")
+        return entry.entry_bwd(dx, tokens, num_embeddings=num_embeddings)
 
 
 register_backend("cute", CuteStages())

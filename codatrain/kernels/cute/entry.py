@@ -1,9 +1,13 @@
-"""Model entry as one CuTeDSL kernel: embedding gather, x ⊙ γ and the first norm's rstd.
+"""Model entry and its backward as CuTeDSL kernels.
 
-One CTA per token row: it gathers the embedding row of the token, writes x (rounded to the
+Forward: one CTA per token row gathers the embedding row of the token, writes x (rounded to the
 activation dtype, the x every later stage reads), h = x ⊙ γ, and rstd of x as written, so the
 row is read from memory once. A row of a Llama-3-8B embedding is 8 KB in bf16; with 128 threads
 moving 16 bytes each per step that is four steps, and M rows give M CTAs to fill the GPU.
+
+Backward: one CTA per token row adds its dx row into row `token` of an fp32 gradient table with
+atomic reductions (rows of repeated tokens meet in the same table row), then the table is
+rounded once to the activation dtype.
 """
 
 from __future__ import annotations
@@ -187,3 +191,84 @@ def entry(
     if not (embedding.is_contiguous() and gamma.is_contiguous()):
         raise ValueError("cute entry: the embedding table and gamma must be contiguous")
     return _entry(tokens.contiguous(), embedding, gamma, eps, dtype)
+
+
+# ---- backward ------------------------------------------------------------------------------------
+
+
+class EntryBwdKernel:
+    """grad[tok[m], :] += dx[m, :] in fp32 for one row m per CTA.
+
+    The dx row is loaded in `vec`-element (16-byte) vectors as in the forward; each element then
+    goes to the table with one fp32 atomic add (its unused old value lets ptxas emit a RED).
+    """
+
+    def __init__(self, dx_dtype: type, dim: int) -> None:
+        self.dx_dtype, self.dim = dx_dtype, dim
+        self.vec = math.gcd(dim, 128 // dx_dtype.width)
+        vectors = dim // self.vec
+        self.num_threads = min(_MAX_THREADS, 32 * math.ceil(vectors / 32))
+        self.steps = math.ceil(vectors / self.num_threads)
+        self.tile_n = self.steps * self.num_threads * self.vec
+
+    @cute.jit
+    def __call__(self, mTok: cute.Tensor, mDx: cute.Tensor, mGrad: cute.Tensor, stream: cuda.CUstream):
+        self.kernel(mTok, mDx, mGrad).launch(
+            grid=[mDx.shape[0], 1, 1], block=[self.num_threads, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, mTok: cute.Tensor, mDx: cute.Tensor, mGrad: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        row, _, _ = cute.arch.block_idx()
+        tiler = (self.tile_n,)
+        gDx = cute.local_tile(mDx[row, None], tiler, (0,))
+        gCol = cute.local_tile(cute.make_identity_tensor(self.dim), tiler, (0,))
+        part = tiled_copy_1d(self.dx_dtype, self.num_threads, self.vec).get_slice(tidx)
+        tDg = part.partition_S(gDx)
+        tCol = part.partition_S(gCol)
+        tDr = cute.make_rmem_tensor_like(tDg)
+        tDr.fill(0)
+        atom = get_copy_atom(self.dx_dtype, self.vec)
+        for step in cutlass.range_constexpr(self.steps):
+            if tCol[0, step] < self.dim:
+                cute.copy(atom, tDg[None, step], tDr[None, step])
+
+        grad_row = mGrad[mTok[row], None].iterator
+        for step in cutlass.range_constexpr(self.steps):
+            if tCol[0, step] < self.dim:
+                for i in cutlass.range_constexpr(self.vec):
+                    cute.arch.atomic_add(grad_row + tCol[i, step], tDr[i, step].to(Float32))
+
+
+@jit_cache
+def _compile_entry_bwd(tok_dtype: type, dx_dtype: type, dim: int):
+    kernel = EntryBwdKernel(dx_dtype, dim)
+    rows, vocab = cute.sym_int(), cute.sym_int()
+    return cute.compile(
+        kernel,
+        make_fake_tensor(tok_dtype, (rows,)),
+        make_fake_tensor(dx_dtype, (rows, dim), divisibility=kernel.vec),
+        make_fake_tensor(Float32, (vocab, dim)),
+        make_fake_stream(),
+        options="--enable-tvm-ffi",
+    )
+
+
+def _entry_bwd_fake(dx: Tensor, tokens: Tensor, num_embeddings: int):
+    return _empty(num_embeddings, dx.shape[1], dtype=dx.dtype, device=dx.device)
+
+
+@stage_op("cute_entry_bwd", _entry_bwd_fake)
+def _entry_bwd(dx: Tensor, tokens: Tensor, num_embeddings: int) -> Tensor:
+    # The table starts at zero: rows of tokens absent from the batch get no gradient.
+    grad = torch.zeros(num_embeddings, dx.shape[1], dtype=torch.float32, device=dx.device)
+    dtypes = torch2cute_dtype_map[tokens.dtype], torch2cute_dtype_map[dx.dtype]
+    _compile_entry_bwd(*dtypes, dx.shape[1])(tokens, dx, grad)
+    return grad.to(dx.dtype)
+
+
+def entry_bwd(dx: Tensor, tokens: Tensor, *, num_embeddings: int) -> Tensor:
+    """dembedding (num_embeddings, d) in dx's dtype: row v = Σ of the dx rows of token v, summed
+    in fp32 and rounded once."""
+    return _entry_bwd(dx.contiguous(), tokens.contiguous(), num_embeddings)

@@ -1,4 +1,4 @@
-"""The GEMM epilogues of the CODA forward stages that `quack.epilogue.library` does not ship.
+"""The GEMM epilogues of the CODA stages that `quack.epilogue.library` does not ship.
 
 Each is a `@gemm_epilogue` function: QuACK calls it once per fp32 accumulator element (or
 adjacent-column pair in ``acc_pair`` mode) while the output tile is still in registers, and
@@ -10,6 +10,9 @@ from QuACK as they are:
 - F4 `quack.epilogue.rotary.rstd_rope_posfreq_epi`: rows scaled by rstd, then adjacent pairs
   rotated by angle pos·freq, with sin/cos computed in the epilogue from a per-row position and a
   per-column frequency (zero frequency on the v columns, so they pass through unrotated).
+- dSwiGLU `quack.epilogue.library.dswiglu_dpreact_mod`: acc = dy, C = the (scaled) pre-activation
+  pairs (g, u); D = (dg, du) interleaved, ``postact`` = silu(g)·u, ``dsum`` = Σ g·dg + u·du, which
+  is exactly the stage API's zdz because the stage API keeps the rstd-scaled pre-activation.
 
 These functions must stay module globals (QuACK re-mints a kernel class in its compile workers
 by importing the EpiMod by name) and reference only simple globals: QuACK fingerprints the
@@ -20,7 +23,16 @@ from __future__ import annotations
 
 from quack.activation import swiglu
 from quack.epilogue.frontend import gemm_epilogue, pack, unpack
-from quack.epilogue.ops import ColVecLoad, ColVecSelect, OnlineLSEReduce
+from quack.epilogue.math import pexp
+from quack.epilogue.ops import (
+    ColVecLoad,
+    ColVecReduce,
+    ColVecSelect,
+    OnlineLSEReduce,
+    RowVecLoad,
+    RowVecReduce,
+    TileLoad,
+)
 
 
 @gemm_epilogue(outputs=("postact",), ops={"rstd": ColVecLoad("rstd")}, mode="acc_pair")
@@ -59,3 +71,55 @@ def rstd_lse_target_epi(acc, rstd):
     M×V logits never reach memory (the per-tile LSE partials are M × V/tile_n floats)."""
     logits = acc * rstd
     return {"lse": logits, "target_logit": logits}
+
+
+# ---- backward ------------------------------------------------------------------------------------
+
+# The RMSNorm-backward epilogue of the dgrad GEMM dn = dz·W of a norm's consumer (DESIGN §3, the ZdZ
+# identity). Operands: x the residual stream the norm read (a tile load), γ, and per row rstd and
+# the raw zdz = Σ z·dz of the consumer; inv_dim = 1/d turns zdz into DESIGN's ZdZ. Outputs:
+# D = dx = rstd·(dn⊙γ − x·rstd·ZdZ) [+ C, the residual-path gradient], ``n`` = rstd·x⊙γ (the
+# A operand of the consumer's wgrad) and per-row-tile partials of dγ = Σ_m dn·x·rstd.
+# Two functions because an absent C must be absent from the signature to be compiled out.
+_RMS_BWD_OPS = {
+    "x": TileLoad("x"),
+    "gamma": RowVecLoad("gamma"),
+    "rstd": ColVecLoad("rstd"),
+    "zdz": ColVecLoad("zdz"),
+}
+
+
+@gemm_epilogue(outputs=("n",), ops=_RMS_BWD_OPS, reduces={"dgamma": RowVecReduce("dgamma", scaled=True)})
+def rms_bwd_epi(acc, x, gamma, rstd, zdz, inv_dim):
+    """RMSNorm backward with no residual path (the final norm, before the LM head)."""
+    xr = x * rstd
+    return {"D": rstd * (acc * gamma - xr * (zdz * inv_dim)), "n": xr * gamma, "dgamma": (acc, xr)}
+
+
+@gemm_epilogue(outputs=("n",), ops=_RMS_BWD_OPS, reduces={"dgamma": RowVecReduce("dgamma", scaled=True)})
+def rms_bwd_residual_epi(acc, c, x, gamma, rstd, zdz, inv_dim):
+    """RMSNorm backward plus the residual-path gradient C of the same x."""
+    xr = x * rstd
+    return {"D": rstd * (acc * gamma - xr * (zdz * inv_dim)) + c, "n": xr * gamma, "dgamma": (acc, xr)}
+
+
+_ce_target_index = ColVecLoad("target")
+
+
+@gemm_epilogue(
+    ops={"rstd": ColVecLoad("rstd"), "lse": ColVecLoad("lse"), "scale": ColVecLoad("scale")},
+    outs={
+        "zdz": ColVecReduce("zdz", scaled=True),
+        "target_logit": ColVecSelect("target_logit", idx_op=_ce_target_index),
+    },
+    extra_ops=(_ce_target_index,),
+)
+def rstd_ce_bwd_epi(acc, rstd, lse, scale):
+    """Cross-entropy backward of the LM head without the one-hot term: logits = rstd ⊙ acc,
+    D = scale·softmax(logits) (scale: the row's loss gradient, 0 on ignored rows), per-column-tile
+    partials of Σ logits·D, and the target logit. The one-hot term touches one column per row;
+    the stage subtracts it afterwards (an M-element scatter) instead of comparing every column
+    index against the target in the epilogue."""
+    logits = acc * rstd
+    dlogits = scale * pexp(logits - lse)
+    return {"D": dlogits, "zdz": (logits, dlogits), "target_logit": logits}

@@ -127,7 +127,7 @@ def gemm_rstd_swiglu(h: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, T
 
 
 @functools.lru_cache(maxsize=16)
-def _rope_freq(head_dim: int, rope_heads: int, n: int, rope_theta: float, device: torch.device) -> Tensor:
+def rope_freq(head_dim: int, rope_heads: int, n: int, rope_theta: float, device: torch.device) -> Tensor:
     """Per-column inverse frequency as QuACK's float-float table (hi, lo per pair, in turns):
     pair i of each of the first rope_heads heads gets rope_theta^(-2i/head_dim), the v columns
     zero (angle 0 is an exact identity). Built in fp64, once per shape."""
@@ -159,7 +159,7 @@ def _gemm_rstd_rope(
         tuned=False,
         # Positions are exact in fp32 up to 2^24; the epilogue forms the angle in float-float.
         pos=positions.to(torch.float32),
-        freq=_rope_freq(head_dim, rope_heads, weight.shape[0], rope_theta, h.device),
+        freq=rope_freq(head_dim, rope_heads, weight.shape[0], rope_theta, h.device),
         rstd=rstd,
     )
     return qkv

@@ -1,0 +1,211 @@
+"""Row-wise CuTeDSL kernels of the CODA backward: RoPE backward with the attention norm's ZdZ, and
+the plain row dot product.
+
+The RoPE backward cannot live in a GEMM epilogue: its output dz is the A operand (a mainloop
+input) of the dgrad and wgrad GEMMs that follow. It is one memory-bound pass instead: each CTA
+reads a row of dqkv and qkv once, writes dz = dqkv rotated back by −angle, and reduces
+zdz = Σ qkv·dqkv, which equals Σ z·dz because RoPE is orthogonal.
+
+Angles come from the same float-float per-column frequency table (in turns) and the same sin/cos
+routine as the forward's `rstd_rope_posfreq_epi`, so the backward applies the exact transpose of
+the rotation the forward applied. Zero-frequency (v) columns rotate by angle 0, an exact identity.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Float32, const_expr
+from quack.cache import jit_cache
+from quack.compile_utils import make_fake_stream, make_fake_tensor
+from quack.copy_utils import get_copy_atom, tiled_copy_1d
+from quack.cute_dsl_utils import torch2cute_dtype_map
+
+# The forward epilogue's (sin, cos) of a float-float angle in turns; quack-kernels is pinned.
+from quack.epilogue.rotary import _sincos_turns
+from quack.reduce import row_reduce
+from torch import Tensor
+
+from codatrain.kernels.cute.gemm_stages import rope_freq
+from codatrain.kernels.cute.torch_op import stage_op
+
+_MAX_THREADS = 256
+
+
+class RowDotKernel:
+    """zdz[m] = Σ_n a[m, n]·b[m, n] for one row per CTA and, with `rotate`, out = b with each
+    adjacent column pair (x1, x2) rotated by −angle: (x1·c + x2·s, x2·c − x1·s), where the angle
+    of pair (2j, 2j+1) in row m is pos[m]·(freq[2j] + freq[2j+1]) turns (a float-float split).
+
+    Columns are split into 4-element vectors (two rotation pairs, 16 bytes of the fp32 frequency
+    table); thread t owns vectors t, t + threads, …; vectors past `n` are masked off and count
+    as zeros in the sum.
+    """
+
+    def __init__(self, dtype: type, n: int, rotate: bool) -> None:
+        self.dtype, self.n, self.rotate = dtype, n, rotate
+        self.vec = math.gcd(n, 4)
+        vectors = n // self.vec
+        self.num_threads = min(_MAX_THREADS, 32 * math.ceil(vectors / 32))
+        self.steps = math.ceil(vectors / self.num_threads)
+        self.tile_n = self.steps * self.num_threads * self.vec
+
+    @cute.jit
+    def __call__(
+        self,
+        mA: cute.Tensor,
+        mB: cute.Tensor,
+        mPos: cute.Tensor | None,
+        mFreq: cute.Tensor | None,
+        mOut: cute.Tensor | None,
+        mDot: cute.Tensor,
+        stream: cuda.CUstream,
+    ):
+        self.kernel(mA, mB, mPos, mFreq, mOut, mDot).launch(
+            grid=[mA.shape[0], 1, 1], block=[self.num_threads, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mA: cute.Tensor,
+        mB: cute.Tensor,
+        mPos: cute.Tensor | None,
+        mFreq: cute.Tensor | None,
+        mOut: cute.Tensor | None,
+        mDot: cute.Tensor,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        row, _, _ = cute.arch.block_idx()
+        smem = cutlass.utils.SmemAllocator()
+        num_warps = const_expr(self.num_threads // cute.arch.WARP_SIZE)
+        # row_reduce's cross-warp buffer: (rows per CTA, (warps per row, cluster size)).
+        reduction_buffer = smem.allocate_tensor(
+            Float32, cute.make_layout((1, (num_warps, 1))), byte_alignment=8
+        )
+
+        tiler = (self.tile_n,)
+        gA = cute.local_tile(mA[row, None], tiler, (0,))
+        gB = cute.local_tile(mB[row, None], tiler, (0,))
+        gCol = cute.local_tile(cute.make_identity_tensor(self.n), tiler, (0,))
+        part = tiled_copy_1d(self.dtype, self.num_threads, self.vec).get_slice(tidx)
+        tAg = part.partition_S(gA)
+        tBg = part.partition_S(gB)
+        tCol = part.partition_S(gCol)
+        tAr = cute.make_rmem_tensor_like(tAg)
+        tBr = cute.make_rmem_tensor_like(tBg)
+        tAr.fill(0)
+        tBr.fill(0)
+        atom = get_copy_atom(self.dtype, self.vec)
+        for step in cutlass.range_constexpr(self.steps):
+            if tCol[0, step] < self.n:
+                cute.copy(atom, tAg[None, step], tAr[None, step])
+                cute.copy(atom, tBg[None, step], tBr[None, step])
+
+        if const_expr(self.rotate):
+            # Same thread partition in fp32: thread t gets the frequencies of its own columns.
+            part_freq = tiled_copy_1d(Float32, self.num_threads, self.vec).get_slice(tidx)
+            tFg = part_freq.partition_S(cute.local_tile(mFreq, tiler, (0,)))
+            tFr = cute.make_rmem_tensor_like(tFg)
+            tFr.fill(0)
+            freq_atom = get_copy_atom(Float32, self.vec)
+            for step in cutlass.range_constexpr(self.steps):
+                if tCol[0, step] < self.n:
+                    cute.copy(freq_atom, tFg[None, step], tFr[None, step])
+
+            pos = mPos[row]
+            tRot = cute.make_rmem_tensor_like(tFr)
+            for step in cutlass.range_constexpr(self.steps):
+                for j in cutlass.range_constexpr(self.vec // 2):
+                    fh, fl = tFr[2 * j, step], tFr[2 * j + 1, step]
+                    # The angle pos·(fh + fl) as an unevaluated float-float sum (t + lo): the
+                    # fma recovers the bits the rounded product t drops.
+                    t = pos * fh
+                    lo = cute.math.fma(pos, fl, cute.math.fma(pos, fh, -t))
+                    s, c = _sincos_turns(t, lo)
+                    x1 = tBr[2 * j, step].to(Float32)
+                    x2 = tBr[2 * j + 1, step].to(Float32)
+                    tRot[2 * j, step] = x1 * c + x2 * s
+                    tRot[2 * j + 1, step] = x2 * c - x1 * s
+            gOut = cute.local_tile(mOut[row, None], tiler, (0,))
+            tOg = part.partition_D(gOut)
+            tOr = cute.make_rmem_tensor_like(tOg)
+            tOr.store(tRot.load().to(self.dtype))
+            for step in cutlass.range_constexpr(self.steps):
+                if tCol[0, step] < self.n:
+                    cute.copy(atom, tOr[None, step], tOg[None, step])
+
+        dot = row_reduce(
+            tAr.load().to(Float32) * tBr.load().to(Float32),
+            cute.ReductionOp.ADD,
+            self.num_threads,
+            reduction_buffer,
+        )
+        if tidx == 0:
+            mDot[row] = dot
+
+
+@jit_cache
+def _compile_row_dot(dtype: type, n: int, rotate: bool):
+    kernel = RowDotKernel(dtype, n, rotate)
+    rows = cute.sym_int()
+    row_major = (rows, n)
+    return cute.compile(
+        kernel,
+        make_fake_tensor(dtype, row_major, divisibility=kernel.vec),
+        make_fake_tensor(dtype, row_major, divisibility=kernel.vec),
+        make_fake_tensor(Float32, (rows,)) if rotate else None,
+        make_fake_tensor(Float32, (n,), divisibility=kernel.vec) if rotate else None,
+        make_fake_tensor(dtype, row_major, divisibility=kernel.vec) if rotate else None,
+        make_fake_tensor(Float32, (rows,)),
+        make_fake_stream(),
+        options="--enable-tvm-ffi",
+    )
+
+
+def _empty(*shape: int, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
+
+
+def _rope_bwd_fake(dqkv, qkv, positions, head_dim, rope_heads, rope_theta):
+    return _empty(*dqkv.shape, like=dqkv), _empty(dqkv.shape[0], like=dqkv, dtype=torch.float32)
+
+
+@stage_op("cute_rope_bwd", _rope_bwd_fake)
+def _rope_bwd(
+    dqkv: Tensor, qkv: Tensor, positions: Tensor, head_dim: int, rope_heads: int, rope_theta: float
+) -> tuple[Tensor, Tensor]:
+    m, n = dqkv.shape
+    dz, zdz = _empty(m, n, like=dqkv), _empty(m, like=dqkv, dtype=torch.float32)
+    compiled = _compile_row_dot(torch2cute_dtype_map[dqkv.dtype], n, True)
+    freq = rope_freq(head_dim, rope_heads, n, rope_theta, dqkv.device)
+    # Positions are exact in fp32 up to 2^24, as in the forward epilogue.
+    compiled(qkv, dqkv, positions.to(torch.float32), freq, dz, zdz)
+    return dz, zdz
+
+
+def rope_bwd(
+    dqkv: Tensor, qkv: Tensor, positions: Tensor, *, head_dim: int, rope_heads: int, rope_theta: float
+) -> tuple[Tensor, Tensor]:
+    """dz = dqkv rotated back by −angle on the first rope_heads heads, zdz (M,) fp32 = Σ qkv·dqkv."""
+    return _rope_bwd(dqkv.contiguous(), qkv.contiguous(), positions, head_dim, rope_heads, float(rope_theta))
+
+
+def _row_dot_fake(z, dz):
+    return _empty(z.shape[0], like=z, dtype=torch.float32)
+
+
+@stage_op("cute_row_dot", _row_dot_fake)
+def _row_dot(z: Tensor, dz: Tensor) -> Tensor:
+    zdz = _empty(z.shape[0], like=z, dtype=torch.float32)
+    _compile_row_dot(torch2cute_dtype_map[z.dtype], z.shape[1], False)(z, dz, None, None, None, zdz)
+    return zdz
+
+
+def row_dot(z: Tensor, dz: Tensor) -> Tensor:
+    """zdz (M,) fp32 = Σ_n z·dz."""
+    return _row_dot(z.contiguous(), dz.contiguous())

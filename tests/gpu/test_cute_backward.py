@@ -1,0 +1,210 @@
+"""The cute backward stages against the reference, on an sm_90 GPU, with the criterion and shapes
+of cute_check.py (error vs fp32 ≤ 2 × the bf16 reference's; outputs poisoned with NaN)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+    pytest.skip("the cute kernels need an sm_90 GPU", allow_module_level=True)
+pytest.importorskip("quack")
+pytest.importorskip("flash_attn.cute")
+
+from cute_check import (  # noqa: E402
+    DEVICE,
+    SHAPES,
+    Shape,
+    check,
+    gamma,
+    poison,
+    positions,
+    randn,
+    rstd_of,
+    run_both,
+)
+
+from codatrain.kernels.cute import gemm_bwd_stages, rowwise  # noqa: E402
+from codatrain.kernels.stages import IGNORE_INDEX, get_backend  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+# Rows of one LM-head backward chunk at Llama-3 vocab size (codatrain.model.coda.HEAD_CHUNK_ELEMENTS
+# / V): not a multiple of any tile, and chunks after the first start off 16-byte alignment.
+HEAD_CHUNK_ROWS = 1046
+
+
+@pytest.fixture(params=SHAPES, ids=lambda s: s.name)
+def shape(request) -> Shape:
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    poison(monkeypatch, gemm_bwd_stages, rowwise)
+
+
+@pytest.fixture(scope="module")
+def backends():
+    return get_backend("cute", DEVICE), get_backend("reference", DEVICE)
+
+
+def rope_kwargs(shape: Shape) -> dict:
+    rope_heads = shape.n_heads + shape.n_kv_heads
+    return {"head_dim": shape.head_dim, "rope_heads": rope_heads, "rope_theta": 500000.0}
+
+
+def test_rope_bwd(backends, shape):
+    cute, ref = backends
+    args = (randn(shape.tokens, shape.qkv_dim), randn(shape.tokens, shape.qkv_dim), positions(shape))
+    out = cute.rope_bwd(*args, **rope_kwargs(shape))
+    bf16, fp32 = run_both(ref, "rope_bwd", *args, **rope_kwargs(shape))
+    check("dz", out.dz, bf16.dz, fp32.dz)
+    check("zdz", out.zdz, bf16.zdz, fp32.zdz)
+    # The v columns are not rotated: they pass through bitwise.
+    v_cols = slice((shape.n_heads + shape.n_kv_heads) * shape.head_dim, None)
+    assert torch.equal(out.dz[:, v_cols], args[0][:, v_cols])
+
+
+def test_rope_bwd_inverts_rope_fwd(backends, shape):
+    """rope_bwd of the forward's RoPE output rotates it back to the unrotated GEMM output."""
+    cute, _ = backends
+    h, w, r = randn(shape.tokens, shape.dim), randn(shape.qkv_dim, shape.dim, scale=shape.dim**-0.5), \
+        rstd_of(shape.tokens)
+    qkv = cute.gemm_rstd_rope(h, w, r, positions(shape), **rope_kwargs(shape))
+    z = (h.float() @ w.float().t()) * r[:, None]
+    back = cute.rope_bwd(qkv, qkv, positions(shape), **rope_kwargs(shape)).dz
+    assert ((back.float() - z).norm() / z.norm()).item() < 1e-2
+
+
+def test_row_dot(backends, shape):
+    cute, ref = backends
+    args = (randn(shape.tokens, shape.qkv_dim), randn(shape.tokens, shape.qkv_dim))
+    bf16, fp32 = run_both(ref, "row_dot", *args)
+    check("zdz", cute.row_dot(*args), bf16, fp32)
+
+
+@pytest.mark.parametrize("residual", [True, False], ids=["residual", "last"])
+def test_gemm_rms_bwd(backends, shape, residual):
+    """The QKV consumer (N = N_qkv) with the residual gradient, and without one (the final norm)."""
+    cute, ref = backends
+    m, d, n = shape.tokens, shape.dim, shape.qkv_dim
+    args = (randn(m, n), randn(n, d, scale=n**-0.5), randn(m, d), gamma(d), rstd_of(m),
+            torch.randn(m, device=DEVICE) * d**0.5, randn(m, d) if residual else None)
+    out = cute.gemm_rms_bwd(*args)
+    bf16, fp32 = run_both(ref, "gemm_rms_bwd", *args)
+    check("dx", out.dx, bf16.dx, fp32.dx)
+    check("n", out.n, bf16.n, fp32.n)
+    check("dgamma", out.dgamma_partials.sum(0), bf16.dgamma_partials.sum(0), fp32.dgamma_partials.sum(0))
+
+
+def test_gemm_rms_bwd_on_unaligned_row_slices(backends):
+    """The LM-head backward passes row slices of rstd and zdz that start off 16-byte alignment."""
+    cute, ref = backends
+    s = SHAPES[1]
+    m, d, n = 2 * HEAD_CHUNK_ROWS, s.dim, 1024
+    dz, w, x, g = randn(m, n), randn(n, d, scale=n**-0.5), randn(m, d), gamma(d)
+    rstd, zdz = rstd_of(m), torch.randn(m, device=DEVICE) * d**0.5
+    rows = slice(HEAD_CHUNK_ROWS, None)
+    assert rstd[rows].data_ptr() % 16
+    out = cute.gemm_rms_bwd(dz[rows], w, x[rows], g, rstd[rows], zdz[rows])
+    bf16, fp32 = run_both(ref, "gemm_rms_bwd", dz[rows], w, x[rows], g, rstd[rows], zdz[rows])
+    check("dx", out.dx, bf16.dx, fp32.dx)
+
+
+def test_gemm_dswiglu(backends, shape):
+    cute, ref = backends
+    m, d, f = shape.tokens, shape.dim, shape.ffn_dim
+    args = (randn(m, d), randn(d, f, scale=d**-0.5), randn(m, 2 * f, scale=2.0))
+    out = cute.gemm_dswiglu(*args)
+    bf16, fp32 = run_both(ref, "gemm_dswiglu", *args)
+    check("dpreact", out.dpreact, bf16.dpreact, fp32.dpreact)
+    check("y", out.y, bf16.y, fp32.y)
+    check("zdz", out.zdz, bf16.zdz, fp32.zdz)
+
+
+def test_gemm_rstd_ce_bwd(backends, shape):
+    """One LM-head chunk: logits recomputed, dlogits, ZdZ; ignored rows get zero gradients."""
+    cute, ref = backends
+    m = min(shape.tokens, HEAD_CHUNK_ROWS)
+    targets = torch.randint(0, shape.vocab, (m,), device=DEVICE)
+    ignored = torch.rand(m, device=DEVICE) < 0.1
+    targets[ignored] = IGNORE_INDEX
+    h, w, r = randn(m, shape.dim), randn(shape.vocab, shape.dim, scale=3 * shape.dim**-0.5), rstd_of(m)
+    lse = ref.gemm_rstd_lse(h.float(), w.float(), r, targets).lse
+    grad_scale = torch.tensor(1.0 / (~ignored).sum().item(), device=DEVICE)
+    args = (h, w, r, targets, lse, grad_scale)
+    out = cute.gemm_rstd_ce_bwd(*args)
+    bf16, fp32 = run_both(ref, "gemm_rstd_ce_bwd", *args)
+    check("dlogits", out.dlogits, bf16.dlogits, fp32.dlogits)
+    check("zdz", out.zdz, bf16.zdz, fp32.zdz)
+    assert (out.dlogits[ignored] == 0).all() and (out.zdz[ignored] == 0).all()
+
+
+def test_dgrad(backends, shape):
+    cute, ref = backends
+    k = shape.n_heads * shape.head_dim
+    args = (randn(shape.tokens, shape.dim), randn(shape.dim, k, scale=shape.dim**-0.5))
+    bf16, fp32 = run_both(ref, "dgrad", *args)
+    check("dgrad", cute.dgrad(*args), bf16, fp32)
+
+
+def test_wgrad(backends, shape):
+    """dW_down = doutᵀ·y: contracts over the M tokens (ragged M is a ragged K here)."""
+    cute, ref = backends
+    args = (randn(shape.tokens, shape.dim), randn(shape.tokens, shape.ffn_dim))
+    bf16, fp32 = run_both(ref, "wgrad", *args)
+    check("wgrad", cute.wgrad(*args), bf16, fp32)
+
+
+def test_wgrad_accumulates_in_fp32(backends, shape):
+    """Two chunks of rows summed into an fp32 gradient, as the LM-head backward does."""
+    cute, ref = backends
+    m = min(shape.tokens, 2 * HEAD_CHUNK_ROWS)
+    dz, a = randn(m, shape.dim), randn(m, shape.dim)
+    start = torch.randn(shape.dim, shape.dim, device=DEVICE)
+    outs = []
+    for backend, cast in ((cute, torch.bfloat16), (ref, torch.bfloat16), (ref, torch.float32)):
+        acc = start.clone()
+        for rows in (slice(0, m // 2), slice(m // 2, m)):
+            result = backend.wgrad(dz[rows].to(cast), a[rows].to(cast), accumulate_into=acc)
+            assert result is acc
+        outs.append(acc)
+    check("wgrad+=", *outs)
+
+
+def test_entry_bwd(backends, shape):
+    """Token ids drawn from a small range, so many rows add into the same embedding row."""
+    cute, ref = backends
+    tokens = torch.randint(0, 1000, (shape.tokens,), device=DEVICE)
+    dx = randn(shape.tokens, shape.dim)
+    cute_out = cute.entry_bwd(dx, tokens, num_embeddings=shape.vocab)
+    bf16, fp32 = run_both(ref, "entry_bwd", dx, tokens, num_embeddings=shape.vocab)
+    check("dembedding", cute_out, bf16, fp32)
+    assert (cute_out[1000:] == 0).all()
+
+
+def test_backward_stages_trace_without_graph_breaks(backends):
+    """The backward stages as custom ops under torch.compile(fullgraph=True): same results."""
+    cute, _ = backends
+    s = SHAPES[1]
+    m, d = s.tokens, s.dim
+    qkv, dqkv, w_qkv = randn(m, s.qkv_dim), randn(m, s.qkv_dim), randn(s.qkv_dim, d, scale=d**-0.5)
+    x, g, r = randn(m, d), gamma(d), rstd_of(m)
+    pos = positions(s)
+
+    def attention_norm_bwd(dqkv, qkv, x, dx_residual):
+        dz, zdz = cute.rope_bwd(dqkv, qkv, pos, **rope_kwargs(s))
+        dx, n, dgamma = cute.gemm_rms_bwd(dz, w_qkv, x, g, r, zdz, dx_residual)
+        dw = torch.zeros(s.qkv_dim, d, device=DEVICE)
+        cute.wgrad(dz, n, accumulate_into=dw)
+        return dx, dgamma, dw, cute.dgrad(dx, w_qkv.t().contiguous())
+
+    inputs = (dqkv, qkv, x, randn(m, d))
+    eager = attention_norm_bwd(*inputs)
+    compiled = torch.compile(attention_norm_bwd, fullgraph=True)(*inputs)
+    for a, b in zip(eager, compiled, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not math.isnan(eager[0].float().sum().item())
