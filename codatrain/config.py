@@ -112,6 +112,18 @@ class CheckpointConfig:
 
 
 @dataclass
+class KernelsConfig:
+    """Precompiled CuTeDSL kernels (codatrain/kernels/precompile.py, scripts/precompile.py)."""
+
+    # Where scripts/precompile.py built the kernels of this run (QuACK's and FA4's caches and a
+    # manifest). null: the kernels compile on first use, into the libraries' default caches.
+    cache_dir: str | None = None
+    # A cache built for other versions, other kernel sources or another config (or never built):
+    # rebuild it before training, or fail with a message that names every difference.
+    on_stale: str = "rebuild"
+
+
+@dataclass
 class WandbConfig:
     mode: str = "disabled"  # disabled | offline | online
     project: str = "codatrain"
@@ -132,6 +144,7 @@ class RunConfig:
     optim: OptimConfig = MISSING
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
     logger: LoggerConfig = MISSING
 
 
@@ -142,6 +155,7 @@ CHOICES = {
     "data.source": ("embedded", "synthetic", "files", "hub"),
     "optim.schedule": ("cosine", "wsd", "constant"),
     "train.device": ("auto", "cpu", "cuda"),
+    "kernels.on_stale": ("rebuild", "fail"),
     "logger.wandb.mode": ("disabled", "offline", "online"),
 }
 

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from codatrain.config import RunConfig, model_config, validate
 from codatrain.data import build_loaders
+from codatrain.kernels.precompile import KernelCache
 from codatrain.model import build_model
 from codatrain.train.checkpoint import Checkpointer
 from codatrain.train.distributed import (
@@ -68,6 +69,10 @@ class Trainer:
                 f"{dist_info.world_size} = {tokens_per_micro_step}"
             )
         self.grad_accum = tcfg.tokens_per_step // tokens_per_micro_step
+
+        # Before any kernel can compile: point the CuTeDSL kernels at kernels.cache_dir, rebuilding
+        # it (or failing, kernels.on_stale) when it was not built for this run and software.
+        self.kernel_cache = KernelCache.open(run, dist_info)
 
         # Build on the meta device, wrap, shard, then materialise: no process ever holds the full
         # model, and init is drawn per canonical tensor so it is the same for any sharding.
@@ -183,6 +188,8 @@ class Trainer:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
+            if self.step == run_start_step + 1:
+                self.logger.info(self.kernel_cache.first_step_report())
             result.losses[self.step] = loss
             window_steps += 1
             window_data += data_time

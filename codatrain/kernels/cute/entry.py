@@ -133,7 +133,7 @@ class EntryKernel:
 
 
 @jit_cache
-def _compile_entry(tok_dtype: type, emb_dtype: type, out_dtype: type, gamma_dtype: type, dim: int):
+def compile_entry(tok_dtype: type, emb_dtype: type, out_dtype: type, gamma_dtype: type, dim: int):
     kernel = EntryKernel(emb_dtype, out_dtype, gamma_dtype, dim)
     rows, vocab = cute.sym_int(), cute.sym_int()
     return cute.compile(
@@ -173,7 +173,7 @@ def _entry(
     # The kernel loads 16-byte vectors; a view that starts off that alignment (a parameter inside
     # a flat buffer, say) is copied first.
     embedding, gamma = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (embedding, gamma))
-    compiled = _compile_entry(
+    compiled = compile_entry(
         torch2cute_dtype_map[tokens.dtype],
         torch2cute_dtype_map[embedding.dtype],
         torch2cute_dtype_map[dtype],
@@ -242,7 +242,7 @@ class EntryBwdKernel:
 
 
 @jit_cache
-def _compile_entry_bwd(tok_dtype: type, dx_dtype: type, dim: int):
+def compile_entry_bwd(tok_dtype: type, dx_dtype: type, dim: int):
     kernel = EntryBwdKernel(dx_dtype, dim)
     rows, vocab = cute.sym_int(), cute.sym_int()
     return cute.compile(
@@ -264,7 +264,7 @@ def _entry_bwd(dx: Tensor, tokens: Tensor, num_embeddings: int) -> Tensor:
     # The table starts at zero: rows of tokens absent from the batch get no gradient.
     grad = torch.zeros(num_embeddings, dx.shape[1], dtype=torch.float32, device=dx.device)
     dtypes = torch2cute_dtype_map[tokens.dtype], torch2cute_dtype_map[dx.dtype]
-    _compile_entry_bwd(*dtypes, dx.shape[1])(tokens, dx, grad)
+    compile_entry_bwd(*dtypes, dx.shape[1])(tokens, dx, grad)
     return grad.to(dx.dtype)
 
 

@@ -150,7 +150,7 @@ class RowDotKernel:
 
 
 @jit_cache
-def _compile_row_dot(dtype: type, n: int, rotate: bool):
+def compile_row_dot(dtype: type, n: int, rotate: bool):
     kernel = RowDotKernel(dtype, n, rotate)
     rows = cute.sym_int()
     row_major = (rows, n)
@@ -181,7 +181,7 @@ def _rope_bwd(
 ) -> tuple[Tensor, Tensor]:
     m, n = dqkv.shape
     dz, zdz = _empty(m, n, like=dqkv), _empty(m, like=dqkv, dtype=torch.float32)
-    compiled = _compile_row_dot(torch2cute_dtype_map[dqkv.dtype], n, True)
+    compiled = compile_row_dot(torch2cute_dtype_map[dqkv.dtype], n, True)
     freq = rope_freq(head_dim, rope_heads, n, rope_theta, dqkv.device)
     # Positions are exact in fp32 up to 2^24, as in the forward epilogue.
     compiled(qkv, dqkv, positions.to(torch.float32), freq, dz, zdz)
@@ -202,7 +202,7 @@ def _row_dot_fake(z, dz):
 @stage_op("cute_row_dot", _row_dot_fake)
 def _row_dot(z: Tensor, dz: Tensor) -> Tensor:
     zdz = _empty(z.shape[0], like=z, dtype=torch.float32)
-    _compile_row_dot(torch2cute_dtype_map[z.dtype], z.shape[1], False)(z, dz, None, None, None, zdz)
+    compile_row_dot(torch2cute_dtype_map[z.dtype], z.shape[1], False)(z, dz, None, None, None, zdz)
     return zdz
 
 

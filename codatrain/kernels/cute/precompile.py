@@ -1,0 +1,316 @@
+"""The CuTeDSL kernels a training config launches, as compile specs, and how to compile them
+without a GPU (driven by `codatrain.kernels.precompile`, which owns the cache directory).
+
+Each stage family contributes its kernels through one function of `KernelShapes`:
+`entry_kernels`, `forward_kernels`, `backward_kernels`, `attention_kernels` (`FAMILIES`). A
+`KernelSpec` names a kernel and compiles it from inputs with the training job's shapes, strides
+and dtypes, so that its cache key is the key the job looks up:
+
+- GEMM stages are compiled by calling the stage itself (the `CuteStages` method the model calls)
+  inside `compile_only`, where QuACK builds the launch plan, compiles or loads the kernel, and
+  skips the launch. Whatever tile config or epilogue a stage picks is what gets compiled.
+- Kernels that launch their compiled function themselves (entry, the row-wise backward kernels,
+  QuACK's rstd reduction) are compiled by calling their tensor-free compile function with the
+  arguments their stage derives from its tensors: the stage itself would launch on fake tensors.
+- FlashAttention 4 compiles, and skips its launch, by itself under FakeTensorMode.
+
+A new stage with a QuACK GEMM plugs in as one more `KernelSpec` calling it; a kernel that
+launches itself, as one calling its compile function.
+
+Importing this module needs the cuda extras. Compiling needs the target set in the environment
+before CuTeDSL is first imported (`CUTE_DSL_ARCH`, `QUACK_ARCH`, FA4's `FLASH_ATTENTION_ARCH` and
+`FLASH_ATTENTION_NUM_SMS`), as the compile processes of `codatrain.kernels.precompile` have it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from unittest import mock
+
+import quack.cute_dsl_utils
+import quack.gemm_interface
+import quack.gemm_tvm_ffi_utils
+import torch
+from flash_attn.cute import flash_attn_func
+from flash_attn.cute.interface import _flash_attn_bwd
+from quack.cute_dsl_utils import torch2cute_dtype_map
+from quack.rms_final_reduce import _compile_rms_final_reduce
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from codatrain.kernels.cute import CuteStages, entry, rowwise
+from codatrain.kernels.precompile import KernelShapes, fa4_caches, jit_compilers
+from codatrain.kernels.stages import IGNORE_INDEX
+from codatrain.model.attention import causal_attention
+from codatrain.model.coda import HEAD_CHUNK_ELEMENTS
+
+# Training activations are bf16 (autocast on one GPU, FSDP2's param dtype on several);
+# statistics fp32.
+ACT = torch.bfloat16
+STAT = torch.float32
+# RoPE's θ only fills a frequency table at run time; no kernel depends on it.
+_ANY_ROPE_THETA = 10000.0
+# One kernel compiles in seconds, FA4's backward in under a minute on a slow core. A spec that
+# takes this long is stuck (most likely launching on fake tensors): stop with its traceback.
+SPEC_TIMEOUT_S = 600
+# Stage inputs are fake CPU tensors: QuACK keys kernels on dtypes, strides and QUACK_ARCH, never
+# on the device, and fake CUDA tensors lack some ops (indexing with None, scatter_) on a
+# CPU-only torch. FA4 takes fake CUDA tensors: CuTeDSL finds its launch stream through them.
+_STAGE_DEVICE = "cpu"
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    name: str  # what it is, for logs and the manifest
+    compile: Callable[[], object]  # compiles (or loads) the kernel inside `compile_only`
+
+
+# ---- fake inputs (created inside compile_only, where they cost no memory) ----------------------
+
+
+def _act(*shape: int, device: str = _STAGE_DEVICE) -> torch.Tensor:
+    return torch.empty(shape, dtype=ACT, device=device)
+
+
+def _stat(*shape: int) -> torch.Tensor:
+    return torch.empty(shape, dtype=STAT, device=_STAGE_DEVICE)
+
+
+def _index(*shape: int) -> torch.Tensor:
+    """Token ids, targets and positions: int64, as the data loader and the model make them."""
+    return torch.empty(shape, dtype=torch.int64, device=_STAGE_DEVICE)
+
+
+def _cute(dtype: torch.dtype) -> type:
+    return torch2cute_dtype_map[dtype]
+
+
+def _tokens(s: KernelShapes) -> int:
+    return s.batch * s.seq_len
+
+
+def _q_dim(s: KernelShapes) -> int:
+    return s.n_heads * s.head_dim
+
+
+def _qkv_dim(s: KernelShapes) -> int:
+    return (s.n_heads + 2 * s.n_kv_heads) * s.head_dim
+
+
+def _head_rows(s: KernelShapes) -> int:
+    """Rows per chunk of the LM-head backward, as `CodaLlama` chooses them by default."""
+    return min(_tokens(s), max(1, HEAD_CHUNK_ELEMENTS // s.vocab_size))
+
+
+# ---- the stage families -----------------------------------------------------------------------
+
+
+def entry_kernels(s: KernelShapes) -> list[KernelSpec]:
+    """Model entry (embedding gather, x ⊙ γ, first rstd) and its backward (embedding gradient)."""
+    if not s.stages:
+        return []
+    tokens = _cute(torch.int64)
+
+    def forward(embedding: torch.dtype) -> Callable[[], object]:
+        return lambda: entry.compile_entry(tokens, _cute(embedding), _cute(ACT), _cute(ACT), s.dim)
+
+    return [
+        # Under autocast on one GPU the fp32 embedding table is read as it is; under FSDP2 it
+        # arrives in bf16. Both are compiled, so one cache serves either launch.
+        KernelSpec("entry, fp32 embedding", forward(torch.float32)),
+        KernelSpec("entry, bf16 embedding", forward(ACT)),
+        KernelSpec("entry backward", lambda: entry.compile_entry_bwd(tokens, _cute(ACT), s.dim)),
+    ]
+
+
+def forward_kernels(s: KernelShapes) -> list[KernelSpec]:
+    """F1–F4, the rstd reduction and the LM head of DESIGN §3 (and the full-logits head)."""
+    if not s.stages:
+        return []
+    st, m, d, vocab = CuteStages(), _tokens(s), s.dim, s.vocab_size
+    rope = {"head_dim": s.head_dim, "rope_heads": s.n_heads + s.n_kv_heads, "rope_theta": _ANY_ROPE_THETA}
+
+    def out_proj():
+        return st.gemm_residual_rms(_act(m, _q_dim(s)), _act(d, _q_dim(s)), _act(m, d), _act(d))
+
+    def rstd_reduce():
+        # QuACK's reduction compiles per number of partials, which F1/F3's column tile decides.
+        partials = out_proj().sq_partials
+        return _compile_rms_final_reduce(_cute(partials.dtype), partials.shape[1])
+
+    return [
+        KernelSpec("F1 out-proj + residual + x² partials", out_proj),
+        KernelSpec(
+            "F3 down-proj + residual + x² partials",
+            lambda: st.gemm_residual_rms(_act(m, s.ffn_dim), _act(d, s.ffn_dim), _act(m, d), _act(d)),
+        ),
+        KernelSpec("R rstd from partials", rstd_reduce),
+        KernelSpec(
+            "F2 gate/up · rstd + SwiGLU",
+            lambda: st.gemm_rstd_swiglu(_act(m, d), _act(2 * s.ffn_dim, d), _stat(m)),
+        ),
+        KernelSpec(
+            "F4 QKV · rstd + RoPE",
+            lambda: st.gemm_rstd_rope(_act(m, d), _act(_qkv_dim(s), d), _stat(m), _index(m), **rope),
+        ),
+        KernelSpec(
+            "LM head · rstd + LSE + target logit",
+            lambda: st.gemm_rstd_lse(_act(m, d), _act(vocab, d), _stat(m), _index(m)),
+        ),
+        KernelSpec("LM head · rstd, full logits", lambda: st.gemm_rstd(_act(m, d), _act(vocab, d), _stat(m))),
+    ]
+
+
+def backward_kernels(s: KernelShapes) -> list[KernelSpec]:
+    """The backward stages, in the order `CodaLlama`'s backward calls them."""
+    if not s.stages:
+        return []
+    st, m, d, f = CuteStages(), _tokens(s), s.dim, s.ffn_dim
+    vocab, rows = s.vocab_size, _head_rows(s)
+    return [
+        KernelSpec(
+            "LM head cross-entropy backward",
+            lambda: st.gemm_rstd_ce_bwd(
+                _act(rows, d), _act(vocab, d), _stat(rows), _index(rows), _stat(rows), _stat(),
+                ignore_index=IGNORE_INDEX,
+            ),
+        ),
+        KernelSpec(
+            "final-norm backward in the LM-head dgrad",
+            lambda: st.gemm_rms_bwd(
+                _act(rows, vocab), _act(vocab, d), _act(rows, d), _act(d), _stat(rows), _stat(rows)
+            ),
+        ),
+        KernelSpec(
+            "LM-head wgrad, accumulated in fp32",
+            lambda: st.wgrad(_act(rows, vocab), _act(rows, d), accumulate_into=_stat(vocab, d)),
+        ),
+        KernelSpec(
+            "dSwiGLU in the down-proj dgrad", lambda: st.gemm_dswiglu(_act(m, d), _act(d, f), _act(m, 2 * f))
+        ),
+        KernelSpec(
+            "norm backward + residual gradient in the gate/up and QKV dgrads",
+            lambda: st.gemm_rms_bwd(
+                _act(m, 2 * f), _act(2 * f, d), _act(m, d), _act(d), _stat(m), _stat(m), _act(m, d)
+            ),
+        ),
+        KernelSpec("out-proj dgrad", lambda: st.dgrad(_act(m, d), _act(d, _q_dim(s)))),
+        KernelSpec("wgrad", lambda: st.wgrad(_act(m, d), _act(m, _q_dim(s)))),
+        # rope_bwd and row_dot launch the same row-wise kernel, with and without the rotation.
+        KernelSpec("RoPE backward + ZdZ", lambda: rowwise.compile_row_dot(_cute(ACT), _qkv_dim(s), True)),
+        KernelSpec(
+            "row dot, ZdZ of the full-logits head", lambda: rowwise.compile_row_dot(_cute(ACT), vocab, False)
+        ),
+    ]
+
+
+def attention_kernels(s: KernelShapes) -> list[KernelSpec]:
+    """FlashAttention 4, causal, on q/k/v split off the fused QKV output as the model splits it."""
+    if not s.fa4:
+        return []
+
+    def run(backward: bool) -> Callable[[], object]:
+        # The calls of codatrain.kernels.cute.attention (`_fa4_fwd`, `_fa4_bwd`).
+        def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+            if backward:
+                _flash_attn_bwd(q, k, v, out, torch.empty_like(out), lse, causal=True)
+            return out
+
+        return lambda: causal_attention(
+            _act(_tokens(s), _qkv_dim(s), device="cuda"), s.batch, s.n_heads, s.n_kv_heads, s.head_dim,
+            attention,
+        )
+
+    return [KernelSpec("FA4 forward", run(backward=False)), KernelSpec("FA4 backward", run(backward=True))]
+
+
+FAMILIES: tuple[Callable[[KernelShapes], list[KernelSpec]], ...] = (
+    entry_kernels, forward_kernels, backward_kernels, attention_kernels,
+)
+
+
+def kernel_specs(shapes: KernelShapes) -> list[KernelSpec]:
+    """Every kernel a training job of `shapes` launches, family by family."""
+    return [spec for family in FAMILIES for spec in family(shapes)]
+
+
+# ---- compiling without a GPU ------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def compile_only(num_sms: int) -> Iterator[list[object]]:
+    """Trace and compile for a Hopper GPU that need not be there, launching nothing. Yields the
+    list of the QuACK launch plans whose launch it skipped so far.
+
+    - Tensors are fake (FakeTensorMode): real shapes, strides and dtypes, no memory, no driver.
+    - QuACK sends every GEMM launch through `launch_gemm`, which does nothing here.
+    - QuACK's `gemm_add_inplace` calls its torch custom op even in eager mode, and under
+      FakeTensorMode that op runs its fake, which compiles nothing: here it calls the op's own
+      implementation directly, as QuACK's eager paths do for its other ops.
+    - QuACK asks the driver how many clusters fit on the GPU (`get_max_active_clusters`) to size
+      the persistent grid of a launch plan. Here the target answers instead: a Hopper GEMM CTA
+      fills an SM, so num_sms // cluster_size clusters (66 of 2 CTAs on a 132-SM H100 SXM or
+      H200). The number only sizes the grid of a launch that never happens; no compiled kernel
+      depends on it.
+    """
+    launch = quack.gemm_tvm_ffi_utils.launch_gemm
+    clusters = quack.cute_dsl_utils.get_max_active_clusters
+    skipped: list[object] = []
+
+    def skip_launch(plan: object, *args: object, **kwargs: object) -> None:
+        del args, kwargs
+        skipped.append(plan)
+
+    def target_clusters(cluster_size: int, *args: object, **kwargs: object) -> int:
+        del args, kwargs
+        return num_sms // cluster_size
+
+    with contextlib.ExitStack() as stack:
+        # QuACK's modules import both functions by name: replace every module's reference.
+        quack_modules = [module for name, module in sys.modules.items() if name.split(".")[0] == "quack"]
+        for module in quack_modules:
+            for attr, value in list(vars(module).items()):
+                if value is launch:
+                    stack.enter_context(mock.patch.object(module, attr, skip_launch))
+                elif value is clusters:
+                    stack.enter_context(mock.patch.object(module, attr, target_clusters))
+        add_inplace = quack.gemm_interface.gemm_add_inplace_op._init_fn
+        stack.enter_context(mock.patch.object(quack.gemm_interface, "gemm_add_inplace_op", add_inplace))
+        stack.enter_context(FakeTensorMode())
+        yield skipped
+
+
+def compile_specs(
+    specs: list[KernelSpec], num_sms: int, log: Callable[[str], None] = print
+) -> dict[str, float]:
+    """Compile `specs` in order; returns {spec name: seconds}.
+
+    Raises (and stops) when a spec raises, or when it reached no kernel at all: its stage then
+    takes a path that `compile_only` does not cover, and the training job would compile it.
+    """
+    seconds = {}
+    with compile_only(num_sms) as skipped_launches:
+        for i, spec in enumerate(specs, 1):
+            start, reached = time.perf_counter(), (_kernel_lookups(), len(skipped_launches))
+            faulthandler.dump_traceback_later(SPEC_TIMEOUT_S, exit=True)
+            try:
+                spec.compile()
+            finally:
+                faulthandler.cancel_dump_traceback_later()
+            if (_kernel_lookups(), len(skipped_launches)) == reached:
+                raise RuntimeError(f"kernel spec {spec.name!r} reached no kernel; training would compile it")
+            seconds[spec.name] = round(time.perf_counter() - start, 2)
+            log(f"{i}/{len(specs)} {spec.name}: {seconds[spec.name]:.1f} s")
+    return seconds
+
+
+def _kernel_lookups() -> int:
+    """How often a kernel was fetched from a compile cache so far (compiled, loaded or in memory)."""
+    quack_lookups = sum(info.hits + info.misses for info in (c.cache_info() for c in jit_compilers()))
+    return quack_lookups + sum(len(cache.cache) for cache in fa4_caches())

@@ -1,0 +1,515 @@
+"""Ahead-of-time compilation of the CuTeDSL kernels a training config launches, into a cache
+directory that training jobs load them from (DESIGN §4).
+
+The kernels are known before training starts: which ones depends on the model widths, the
+micro-batch (FlashAttention 4 picks its variant from batch and sequence length) and the block
+config (`KernelShapes`), never on the depth. `precompile` compiles them for Hopper (sm_90a) in
+separate processes that see no GPU, so a CPU machine or CI can build the cache; the compile
+specs themselves live in `codatrain.kernels.cute.precompile`.
+
+A cache directory holds:
+
+    manifest.json  what it was built for: the stamp (Python, nvidia-cutlass-dsl, quack-kernels,
+                   flash-attn-4 and apache-tvm-ffi versions, a hash of codatrain's kernel sources,
+                   the target GPU) and the `KernelShapes` of every config compiled into it
+    quack/         QuACK's .o cache (QUACK_CACHE_DIR): the GEMM stages and codatrain's own kernels
+    fa4/           FlashAttention 4's .o cache (FLASH_ATTENTION_CUTE_DSL_CACHE_DIR)
+
+QuACK and FA4 already file their objects under a fingerprint of their sources and versions, so
+an object built by other versions is never loaded; but they then compile again, silently, in the
+middle of a training job. The manifest makes that visible: `cache_problems` says why a cache
+does not fit a config, and a training job (`KernelCache.open`) rebuilds it or stops with that
+message, as `kernels.on_stale` says.
+
+The object files hold code for one Python minor version (QuACK's fingerprint includes it): build
+the cache with the Python the training job runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed
+
+from codatrain.config import RunConfig, model_config
+from codatrain.kernels.stages import is_sm90
+
+if TYPE_CHECKING:
+    from codatrain.train.distributed import DistInfo
+
+# The compile target: Hopper with its arch-specific instructions (wgmma, TMA), as on H100 / H200.
+TARGET_ARCH = "sm_90a"
+# SMs of an H100 SXM or H200. FA4 picks its kernel variant from the SM count, so a cache is built
+# for one count; a training job on another Hopper part rebuilds for its own.
+HOPPER_SMS = 132
+
+MANIFEST = "manifest.json"
+# Bump when the manifest layout changes: an old manifest then reads as stale.
+MANIFEST_FORMAT = 1
+_PACKAGES = ("nvidia-cutlass-dsl", "quack-kernels", "flash-attn-4", "apache-tvm-ffi")
+_KERNEL_SOURCES = Path(__file__).resolve().parent / "cute"
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class KernelCacheError(ValueError):
+    """A kernel cache that does not fit the run (with kernels.on_stale=fail), or a failed build.
+    A ValueError, like other bad input: scripts/train.py reports it in one line."""
+
+
+# ---- what a config compiles ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KernelShapes:
+    """Everything that decides which kernels a training config launches.
+
+    Model widths, the micro-batch (FA4's variant depends on batch and sequence length; the GEMMs
+    compile for any M) and which parts of the block run as CuTeDSL kernels: `stages` (the CODA
+    stages on the cute backend) and `fa4` (attention). Depth does not matter: every layer
+    launches the same kernels.
+    """
+
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab_size: int
+    batch: int
+    seq_len: int
+    stages: bool = True
+    fa4: bool = True
+
+    @classmethod
+    def from_run(cls, run: RunConfig, device: torch.device | None = None) -> KernelShapes:
+        """The shapes of a run config. `device`: where the job trains, which resolves
+        block.backend / block.attention = auto (None: a Hopper GPU, the precompile target)."""
+        cfg = model_config(run.model)
+        block = run.block
+        # `auto` means the kernels on an sm_90 GPU when the cuda extras import (stages.get_backend);
+        # the precompile target is such a GPU.
+        auto = device is None or (is_sm90(device) and importlib.util.find_spec("quack") is not None)
+        coda = block.impl == "coda"
+        return cls(
+            dim=cfg.dim, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+            ffn_dim=cfg.ffn_dim, vocab_size=cfg.vocab_size,
+            batch=run.train.micro_batch_size, seq_len=run.data.seq_len,
+            stages=coda and (block.backend == "cute" or (block.backend == "auto" and auto)),
+            fa4=coda and (block.attention == "fa4" or (block.attention == "auto" and auto)),
+        )
+
+    @property
+    def any(self) -> bool:
+        """Whether the config launches any CuTeDSL kernel at all."""
+        return self.stages or self.fa4
+
+    @property
+    def key(self) -> str:
+        parts = [
+            f"d{self.dim}", f"heads{self.n_heads}/{self.n_kv_heads}x{self.head_dim}",
+            f"ffn{self.ffn_dim}", f"vocab{self.vocab_size}", f"batch{self.batch}x{self.seq_len}",
+        ]
+        parts += [name for name in ("stages", "fa4") if getattr(self, name)]
+        return " ".join(parts)
+
+
+# ---- the stamp and the manifest -----------------------------------------------------------------
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def kernel_source_hash() -> str:
+    """sha256 of codatrain's kernel sources (the same files QuACK adds to its fingerprint)."""
+    h = hashlib.sha256()
+    for path in sorted(_KERNEL_SOURCES.rglob("*.py")):
+        h.update(path.relative_to(_KERNEL_SOURCES).as_posix().encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def cache_stamp(num_sms: int = HOPPER_SMS) -> dict[str, object]:
+    """What a cache built now, by this Python, is valid for. Any difference means stale."""
+    return {
+        "format": MANIFEST_FORMAT,
+        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+        **{package: _version(package) for package in _PACKAGES},
+        "codatrain kernel sources": kernel_source_hash(),
+        "target": TARGET_ARCH,
+        "sms": num_sms,
+    }
+
+
+def read_manifest(cache_dir: str | Path) -> dict | None:
+    path = Path(cache_dir) / MANIFEST
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_manifest(cache_dir: Path, manifest: dict) -> None:
+    # Written whole and renamed into place: a reader never sees half a manifest.
+    staging = cache_dir / f".{MANIFEST}.{os.getpid()}"
+    staging.write_text(json.dumps(manifest, indent=1) + "\n")
+    os.replace(staging, cache_dir / MANIFEST)
+
+
+def cache_problems(cache_dir: str | Path, shapes: KernelShapes, num_sms: int = HOPPER_SMS) -> list[str]:
+    """Why `cache_dir` does not hold the kernels of `shapes` for this software (empty: it does)."""
+    manifest = read_manifest(cache_dir)
+    if manifest is None:
+        return [f"{Path(cache_dir) / MANIFEST} is missing or unreadable: the cache was never built"]
+    built, now = manifest.get("stamp", {}), cache_stamp(num_sms)
+    problems = [
+        f"{name}: built for {built.get(name)!r}, this job has {value!r}"
+        for name, value in now.items()
+        if built.get(name) != value
+    ]
+    if not problems and shapes.key not in manifest.get("configs", {}):
+        known = "; ".join(manifest.get("configs", {})) or "none"
+        problems.append(f"not built for this config ({shapes.key}); built for: {known}")
+    return problems
+
+
+# ---- building a cache ---------------------------------------------------------------------------
+
+
+def runtime_env(cache_dir: str | Path) -> dict[str, str]:
+    """Environment that points QuACK's and FA4's persistent caches into `cache_dir`."""
+    cache_dir = Path(cache_dir).resolve()
+    return {
+        "QUACK_CACHE_DIR": str(cache_dir / "quack"),
+        "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "1",
+        "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": str(cache_dir / "fa4"),
+    }
+
+
+def _compile_env(cache_dir: Path, num_sms: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(runtime_env(cache_dir))
+    env.update(
+        # Compile for Hopper without asking a GPU: CuTeDSL's target, QuACK's and FA4's kernel choice.
+        CUTE_DSL_ARCH=TARGET_ARCH,
+        QUACK_ARCH="90",
+        FLASH_ATTENTION_ARCH="sm_90",
+        FLASH_ATTENTION_NUM_SMS=str(num_sms),
+        # The compile processes never touch a GPU, even on a GPU machine: a cache is the same
+        # wherever it was built.
+        CUDA_VISIBLE_DEVICES="",
+        # The compile processes import this codatrain, installed or not.
+        PYTHONPATH=os.pathsep.join(p for p in (str(_REPO_ROOT), env.get("PYTHONPATH")) if p),
+    )
+    return env
+
+
+@contextlib.contextmanager
+def _locked(cache_dir: Path) -> Iterator[None]:
+    """Exclusive use of `cache_dir` for a check-and-build, across processes (and nodes sharing a
+    file system): a second job waits for the first build and then finds the cache ready."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@dataclass
+class PrecompileReport:
+    cache_dir: Path
+    shapes: KernelShapes
+    kernels: dict[str, float]  # kernel spec name -> seconds its compile (or cache load) took
+    seconds: float  # wall time of the whole build
+
+
+def default_jobs() -> int:
+    """Compile processes to run at once: one per core, at most 8. Each imports torch, CuTeDSL,
+    QuACK and FA4 (about 5 s and 1 GB of memory) before it compiles its share of the kernels."""
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def precompile(
+    shapes: KernelShapes,
+    cache_dir: str | Path,
+    *,
+    num_sms: int = HOPPER_SMS,
+    jobs: int | None = None,
+    log: Callable[[str], None] = print,
+) -> PrecompileReport:
+    """Compile every kernel of `shapes` for sm_90a into `cache_dir`, and record it in the manifest.
+
+    Kernels already in the cache are loaded, not compiled again; a cache built for other versions
+    or sources is emptied first. The compiling happens in `jobs` child processes that see no GPU
+    (this process imports no CUDA-side package); they print their progress to stderr.
+    Raises KernelCacheError when a kernel fails to compile.
+    """
+    cache_dir = Path(cache_dir).resolve()
+    with _locked(cache_dir):
+        return _build(shapes, cache_dir, num_sms, jobs or default_jobs(), log)
+
+
+def _build(
+    shapes: KernelShapes, cache_dir: Path, num_sms: int, jobs: int, log: Callable[[str], None]
+) -> PrecompileReport:
+    stamp = cache_stamp(num_sms)
+    manifest = read_manifest(cache_dir)
+    if manifest is None or manifest.get("stamp") != stamp:
+        # Objects of other versions are never loaded again (the libraries file them under another
+        # fingerprint), so they only take space.
+        for sub in ("quack", "fa4"):
+            shutil.rmtree(cache_dir / sub, ignore_errors=True)
+        manifest = {"stamp": stamp, "configs": {}}
+    start = time.perf_counter()
+    log(f"precompile: {shapes.key} for {TARGET_ARCH} ({num_sms} SMs) into {cache_dir}, {jobs} processes")
+    reports = [cache_dir / f".report.{os.getpid()}.{part}.json" for part in range(jobs)]
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "codatrain.kernels.precompile", "--shapes",
+             json.dumps(dataclasses.asdict(shapes)), "--part", f"{part}/{jobs}", "--report", str(report)],
+            env=_compile_env(cache_dir, num_sms),
+        )
+        for part, report in enumerate(reports)
+    ]
+    failed = [part for part, worker in enumerate(workers) if worker.wait() != 0]
+    # Worker p compiled specs p, p + jobs, p + 2·jobs, …: interleave the reports back into order.
+    ordered: list[tuple[int, str, float]] = []
+    for part, report in enumerate(reports):
+        if report.exists():
+            compiled = json.loads(report.read_text())
+            ordered += [(i * jobs + part, name, seconds) for i, (name, seconds) in enumerate(compiled)]
+            report.unlink()
+    kernels = {name: seconds for _, name, seconds in sorted(ordered)}
+    if failed:
+        raise KernelCacheError(
+            f"precompile: compile process(es) {failed} of {jobs} failed; their errors are above"
+        )
+    seconds = time.perf_counter() - start
+    manifest["configs"][shapes.key] = {
+        "shapes": dataclasses.asdict(shapes),
+        "kernels": list(kernels),
+        "seconds": round(seconds, 1),
+        "built": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+    _write_manifest(cache_dir, manifest)
+    log(f"precompile: {len(kernels)} kernel specs ready in {seconds:.1f} s")
+    return PrecompileReport(cache_dir, shapes, kernels, seconds)
+
+
+# ---- the training job's side --------------------------------------------------------------------
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (from Linux /proc), or None where that is unknown."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except OSError:
+        return None
+    # Field 22 of /proc/<pid>/stat is the start time in clock ticks since boot; fields are
+    # counted after the parenthesised command name, which may itself contain spaces.
+    start_ticks = int(stat.rsplit(")", 1)[1].split()[19])
+    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+
+
+class KernelCache:
+    """A training job's view of `kernels.cache_dir`: set up before the model is built (`open`),
+    asked after the first optimizer step how startup went (`first_step_report`)."""
+
+    def __init__(self, cache_dir: Path | None, shapes: KernelShapes | None) -> None:
+        self.cache_dir, self.shapes = cache_dir, shapes
+        self.opened = time.time()
+
+    @classmethod
+    def open(cls, run: RunConfig, dist: DistInfo) -> KernelCache:
+        """Point QuACK and FA4 at kernels.cache_dir and make sure it fits this run (`ensure_cache`).
+
+        Local rank 0 of each node rebuilds a stale cache while the other ranks wait; every rank
+        checks the same files, so with kernels.on_stale=fail all of them stop.
+        """
+        kernels, device = run.kernels, dist.device
+        shapes = KernelShapes.from_run(run, device) if device.type == "cuda" else None
+        if kernels.cache_dir is None or shapes is None or not shapes.any:
+            return cls(None, shapes)
+        cache_dir = Path(kernels.cache_dir).resolve()
+        _point_libraries_at(cache_dir)
+        ensure_cache(
+            cache_dir, shapes, on_stale=kernels.on_stale,
+            num_sms=torch.cuda.get_device_properties(device).multi_processor_count,
+            build=dist.local_rank == 0, log=print if dist.is_main else _quiet,
+        )
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        return cls(cache_dir, shapes)
+
+    def first_step_report(self) -> str:
+        """One line for after the first optimizer step: the time since the process started, and
+        how many CuTeDSL kernels it loaded from disk and how many it had to compile."""
+        age = process_age_s()
+        started = time.time() - age if age is not None else self.opened
+        since = "process start" if age is not None else "trainer setup"
+        line = f"time to first step: {time.time() - started:.1f} s from {since}"
+        if "codatrain.kernels.cute" in sys.modules:
+            loaded, compiled = kernel_counts(started)
+            where = f" from {self.cache_dir}" if self.cache_dir is not None else ""
+            line += f" | CuTeDSL kernels: {loaded} loaded{where}, {compiled} compiled"
+        return line
+
+
+def jit_compilers() -> list[Callable]:
+    """QuACK's `jit_cache` compile functions (its own and codatrain's) loaded in this process."""
+    from quack.cache import CacheInfo
+
+    found: dict[int, Callable] = {}
+    for name, module in list(sys.modules.items()):
+        if name.split(".")[0] == "quack" or name.startswith("codatrain.kernels.cute"):
+            for value in list(vars(module).values()):
+                # A jit_cache wrapper: one kernel per key in `cache`, and QuACK's CacheInfo counts.
+                info = getattr(value, "cache_info", None)
+                if isinstance(getattr(value, "cache", None), dict) and callable(info):
+                    if isinstance(info(), CacheInfo):
+                        found[id(value)] = value
+    return list(found.values())
+
+
+def fa4_caches() -> list:
+    """FA4's compile caches (one per kernel kind: forward, backward, their helpers), if loaded."""
+    fa4 = sys.modules.get("flash_attn.cute.interface")
+    if fa4 is None:
+        return []
+    caches = (getattr(value, "compile_cache", None) for value in list(vars(fa4).values()))
+    return list({id(cache): cache for cache in caches if cache is not None}.values())
+
+
+def kernel_counts(since: float) -> tuple[int, int]:
+    """(kernels loaded from disk, kernels compiled) by this process, started at wall-clock time
+    `since`, over QuACK's compile functions and FA4's compile caches."""
+    loaded = compiled = 0
+    for compiler in jit_compilers():
+        info = compiler.cache_info()
+        loaded += info.currsize - info.misses
+        compiled += info.misses
+    for cache in fa4_caches():
+        # FA4 does not count. With its disk cache on, it exports every kernel it compiles, so
+        # this process's compiles are the objects written since it started.
+        fresh = len(cache.cache)
+        if hasattr(cache, "cache_path"):
+            written = sum(path.stat().st_mtime >= since for path in Path(cache.cache_path).glob("*.o"))
+            fresh = min(fresh, written)
+        compiled += fresh
+        loaded += len(cache.cache) - fresh
+    return loaded, compiled
+
+
+def ensure_cache(
+    cache_dir: str | Path,
+    shapes: KernelShapes,
+    *,
+    on_stale: str,
+    num_sms: int = HOPPER_SMS,
+    build: bool = True,
+    log: Callable[[str], None] = print,
+) -> None:
+    """Make sure `cache_dir` holds the kernels of `shapes` for this software.
+
+    When it does not (`cache_problems`): on_stale="fail" raises KernelCacheError naming every
+    difference; on_stale="rebuild" builds it (when `build`; the caller then waits for the
+    process that does).
+    """
+    cache_dir = Path(cache_dir).resolve()
+    problems = cache_problems(cache_dir, shapes, num_sms)
+    if not problems:
+        log(f"kernel cache: {cache_dir} holds the kernels of this run ({shapes.key})")
+        return
+    if on_stale == "fail":
+        raise KernelCacheError(
+            f"kernel cache {cache_dir} does not fit this run (kernels.on_stale=fail):\n  "
+            + "\n  ".join(problems)
+            + "\nBuild it with scripts/precompile.py and this run's overrides (kernels.cache_dir "
+            "included), or set kernels.on_stale=rebuild."
+        )
+    log("kernel cache: rebuilding, " + "; ".join(problems))
+    if build:
+        with _locked(cache_dir):
+            # Another job (or node) may have built it while this one waited for the lock.
+            if cache_problems(cache_dir, shapes, num_sms):
+                _build(shapes, cache_dir, num_sms, default_jobs(), log)
+
+
+def _quiet(message: str) -> None:
+    del message  # ranks other than 0 do not log
+
+
+def _point_libraries_at(cache_dir: Path) -> None:
+    """Set QuACK's and FA4's cache directories, before either is imported if possible."""
+    os.environ.update(runtime_env(cache_dir))
+    quack_cache = sys.modules.get("quack.cache")
+    if quack_cache is not None:
+        # QuACK reads its cache directory at each compile, so a late change still takes effect.
+        quack_cache.CACHE_DIR = os.environ["QUACK_CACHE_DIR"]
+    fa4 = sys.modules.get("flash_attn.cute.cache_utils")
+    fa4_dir = os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"]
+    if fa4 is not None and (fa4.CUTE_DSL_CACHE_ENABLED, fa4.CUTE_DSL_CACHE_DIR) != (True, fa4_dir):
+        # FA4 opens its caches when it is imported; they cannot be moved afterwards.
+        raise KernelCacheError(
+            "flash_attn.cute was imported before the kernel cache was set up, so its kernels would "
+            f"not come from {cache_dir}; set up the Trainer before importing it"
+        )
+
+
+# ---- the compile processes ----------------------------------------------------------------------
+
+
+def _worker(argv: list[str]) -> None:
+    """One compile process: compiles its share (`--part i/n`) of the kernel specs of `--shapes`
+    and writes [[spec name, seconds], …] to `--report`. Started by `_build` with the environment
+    of `_compile_env`, which CuTeDSL reads when it is first imported."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", required=True)
+    parser.add_argument("--part", required=True)
+    parser.add_argument("--report", required=True)
+    args = parser.parse_args(argv)
+    part, parts = (int(x) for x in args.part.split("/"))
+    shapes = KernelShapes(**json.loads(args.shapes))
+
+    from codatrain.kernels.cute.precompile import compile_specs, kernel_specs
+
+    # Known noise of compiling on fake tensors: FA4 reads data pointers (of fakes, harmlessly) and
+    # hands CuTeDSL an argument it cannot type (it is compile-time).
+    warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+    warnings.filterwarnings("ignore", message="Argument aux_data")
+
+    def log(line: str) -> None:
+        print(f"precompile [{part}/{parts}] {line}", file=sys.stderr, flush=True)
+
+    specs = kernel_specs(shapes)[part::parts]
+    seconds = compile_specs(specs, int(os.environ["FLASH_ATTENTION_NUM_SMS"]), log)
+    Path(args.report).write_text(json.dumps(list(seconds.items())))
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1:])

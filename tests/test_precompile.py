@@ -1,0 +1,148 @@
+"""Precompiled CuTeDSL kernels (codatrain/kernels/precompile.py, scripts/precompile.py).
+
+The stamp, manifest and stale-cache switch run anywhere. With the cuda extras installed (CuTeDSL,
+QuACK, FA4, triton), `test_precompile_tiny_for_sm90a` builds the cache of the `tiny` config for
+sm_90a on this CPU machine: every stage kernel and FA4 traces and compiles without a GPU
+(about 40 s on two cores); without them it is skipped.
+"""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from codatrain.config import load_config, validate
+from codatrain.kernels.precompile import (
+    MANIFEST,
+    KernelCache,
+    KernelCacheError,
+    KernelShapes,
+    cache_problems,
+    cache_stamp,
+    ensure_cache,
+    process_age_s,
+    read_manifest,
+)
+from codatrain.train.distributed import DistInfo
+
+REPO = Path(__file__).resolve().parent.parent
+CODA_KERNELS = ["block=coda", "block.backend=cute", "block.attention=fa4"]
+CUDA_EXTRAS = ("cutlass", "quack", "flash_attn", "triton")
+
+
+def run_config(overrides: list[str]):
+    cfg = load_config(overrides)
+    validate(cfg)
+    return OmegaConf.to_object(cfg)
+
+
+def tiny_shapes() -> KernelShapes:
+    return KernelShapes.from_run(run_config(CODA_KERNELS))
+
+
+def write_manifest(cache_dir: Path, shapes: KernelShapes, **stamp_changes) -> None:
+    """A manifest as scripts/precompile.py writes it, for this software unless `stamp_changes`."""
+    stamp = {**cache_stamp(), **stamp_changes}
+    (cache_dir / MANIFEST).write_text(json.dumps({"stamp": stamp, "configs": {shapes.key: {}}}))
+
+
+def precompile_script(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "precompile.py"), *args],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+    )
+
+
+def test_shapes_of_a_run_config():
+    shapes = tiny_shapes()
+    assert (shapes.dim, shapes.n_heads, shapes.n_kv_heads, shapes.head_dim) == (128, 4, 2, 32)
+    assert (shapes.ffn_dim, shapes.vocab_size, shapes.batch, shapes.seq_len) == (384, 512, 16, 128)
+    assert shapes.stages and shapes.fa4
+    # Depth never changes the kernels; the micro-batch does (FA4).
+    assert KernelShapes.from_run(run_config([*CODA_KERNELS, "model.n_layers=2"])) == shapes
+    assert KernelShapes.from_run(run_config([*CODA_KERNELS, "data.seq_len=256"])).key != shapes.key
+    # No CuTeDSL kernel: the eager block, the reference stages with SDPA, `auto` on a CPU.
+    assert not KernelShapes.from_run(run_config(["block=eager"])).any
+    reference = ["block=coda", "block.backend=reference", "block.attention=sdpa"]
+    assert not KernelShapes.from_run(run_config(reference)).any
+    assert not KernelShapes.from_run(run_config(["block=coda"]), torch.device("cpu")).any
+
+
+def test_cache_problems_name_every_difference(tmp_path):
+    shapes = tiny_shapes()
+    (problem,) = cache_problems(tmp_path, shapes)
+    assert "never built" in problem
+
+    write_manifest(tmp_path, shapes)
+    assert cache_problems(tmp_path, shapes) == []
+    other = KernelShapes.from_run(run_config([*CODA_KERNELS, "train.micro_batch_size=8"]))
+    (problem,) = cache_problems(tmp_path, other)
+    assert "not built for this config" in problem and shapes.key in problem
+    (problem,) = cache_problems(tmp_path, shapes, num_sms=114)
+    assert problem.startswith("sms:")
+
+    write_manifest(tmp_path, shapes, **{"quack-kernels": "0.0.1", "codatrain kernel sources": "0" * 64})
+    problems = cache_problems(tmp_path, shapes)
+    assert [p.split(":")[0] for p in problems] == ["quack-kernels", "codatrain kernel sources"]
+    assert "'0.0.1'" in problems[0]
+
+
+def test_stale_cache_fails_with_the_differences(tmp_path):
+    shapes = tiny_shapes()
+    write_manifest(tmp_path, shapes, python="2.7")
+    with pytest.raises(KernelCacheError, match=r"kernels.on_stale=fail(.|\n)*python: built for '2.7'"):
+        ensure_cache(tmp_path, shapes, on_stale="fail")
+
+    write_manifest(tmp_path, shapes)
+    messages = []
+    ensure_cache(tmp_path, shapes, on_stale="fail", log=messages.append)
+    assert "holds the kernels of this run" in messages[0]
+    assert read_manifest(tmp_path)["configs"] == {shapes.key: {}}
+
+
+def test_on_stale_is_validated():
+    with pytest.raises(ValueError, match="kernels.on_stale"):
+        run_config(["kernels.on_stale=sometimes"])
+
+
+def test_cpu_training_ignores_the_cache_and_reports_its_startup(tmp_path):
+    run = run_config([*CODA_KERNELS, f"kernels.cache_dir={tmp_path}"])
+    cache = KernelCache.open(run, DistInfo(0, 0, 1, torch.device("cpu")))
+    assert cache.cache_dir is None and not list(tmp_path.iterdir())
+    assert cache.first_step_report().startswith("time to first step: ")
+    assert 0 < process_age_s() < 1e6
+
+
+def test_script_check_and_nothing_to_compile(tmp_path):
+    proc = precompile_script("block=eager", f"kernels.cache_dir={tmp_path}")
+    assert proc.returncode == 0 and "nothing to compile" in proc.stdout
+    proc = precompile_script("--check", f"kernels.cache_dir={tmp_path}")
+    assert proc.returncode == 1 and "stale:" in proc.stdout and "never built" in proc.stdout
+    proc = precompile_script("model=tiny")
+    assert proc.returncode == 1 and "kernels.cache_dir" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not all(importlib.util.find_spec(name) for name in CUDA_EXTRAS),
+    reason="needs the cuda extras (nvidia-cutlass-dsl, quack-kernels, flash-attn-4) and triton",
+)
+def test_precompile_tiny_for_sm90a(tmp_path):
+    proc = precompile_script("model=tiny", f"kernels.cache_dir={tmp_path}", "--jobs", "2")
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    shapes = tiny_shapes()
+    entry = read_manifest(tmp_path)["configs"][shapes.key]
+    kernels = set(entry["kernels"])
+    for stage in ("F1 out-proj", "F2 gate/up", "F4 QKV", "LM head cross-entropy backward", "FA4 backward"):
+        assert any(name.startswith(stage) for name in kernels), f"{stage} missing from {sorted(kernels)}"
+    # 22 objects today; at least one per kernel family and library.
+    assert len(list((tmp_path / "quack").rglob("*.o"))) >= 15
+    assert len(list((tmp_path / "fa4").rglob("*.o"))) >= 2
+    assert cache_problems(tmp_path, shapes) == []
+    check = precompile_script("--check", "model=tiny", f"kernels.cache_dir={tmp_path}")
+    assert check.returncode == 0 and "fits" in check.stdout
