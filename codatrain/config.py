@@ -92,6 +92,8 @@ class TrainConfig:
     progress: bool = True
     run_dir: str = "runs/${model.preset}-${block.impl}"
     skip_nonfinite_steps: int = 0
+    profile_steps: int = 0  # >0: torch.profiler over this many steps, summary in <run_dir>/profile/
+    profile_skip: int = 5  # steps before profiling starts (one more is the profiler's warm-up)
 
 
 @dataclass

@@ -7,17 +7,20 @@ for several block variants of one model, each in its own process, reported side 
 
 Everything after `--` is passed to scripts/train.py for every variant. Each variant's per-step
 records (metrics.jsonl) are read back; the first `--warmup` steps are excluded and the medians of
-the rest are reported. Writes <out>/bench_train.json and prints a table.
+the rest are reported. Writes <out>/bench_train.json and prints a table. `--profile N` profiles N
+more steps after the timed ones (a torch.profiler summary per variant, named in the JSON).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -29,7 +32,7 @@ VARIANTS = {
 }
 
 
-def run_variant(name: str, overrides: list[str], steps: int, out: Path, nproc: int) -> dict:
+def run_variant(name: str, overrides: list[str], steps: int, out: Path, nproc: int, profile: int) -> dict:
     run_dir = out / name
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics = run_dir / "metrics.jsonl"
@@ -37,9 +40,12 @@ def run_variant(name: str, overrides: list[str], steps: int, out: Path, nproc: i
     launcher = [sys.executable] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
     ]
+    # Profiled steps (and the profiler's warm-up step) come after the timed ones.
+    total_steps = steps + profile + 1 if profile else steps
     cmd = [
         *launcher, str(REPO / "scripts" / "train.py"), *VARIANTS[name], *overrides,
-        f"train.steps={steps}", "train.log_every=1", "train.val_every=0", "train.progress=false",
+        f"train.steps={total_steps}", f"train.profile_steps={profile}", f"train.profile_skip={steps}",
+        "train.log_every=1", "train.val_every=0", "train.progress=false",
         "checkpoint.at_end=false", "checkpoint.resume=none", f"train.run_dir={run_dir}",
     ]
     print("+", " ".join(cmd), flush=True)
@@ -47,7 +53,10 @@ def run_variant(name: str, overrides: list[str], steps: int, out: Path, nproc: i
     if proc.returncode != 0:
         return {"variant": name, "error": f"exit code {proc.returncode}"}
     with open(metrics) as f:
-        return {"variant": name, "records": [json.loads(line) for line in f]}
+        records = [json.loads(line) for line in f]
+    profile_summary = run_dir / "profile" / "summary_rank0.txt"
+    return {"variant": name, "records": [r for r in records if r["step"] <= steps],
+            "profile": str(profile_summary) if profile_summary.exists() else None}
 
 
 def summarize(result: dict, warmup: int) -> dict:
@@ -69,7 +78,54 @@ def summarize(result: dict, warmup: int) -> dict:
         "data_time_s": med("data_time_s"),
         "final_loss": timed[-1]["loss"],
         "losses": {r["step"]: r["loss"] for r in result["records"]},
+        "profile": result["profile"],
     }
+
+
+def plot(path: Path, summaries: list[dict], title: str) -> None:
+    """Bars of tokens/s, MFU and peak memory per variant, and the loss curves, into one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [s for s in summaries if "error" not in s]
+    names = [s["variant"] for s in ok]
+    fig, axes = plt.subplots(1, 4, figsize=(17, 4))
+    bars = [("tokens/s per device", [s["tokens_per_s_per_device"] for s in ok]),
+            ("MFU (%)", [None if s["mfu"] is None else 100 * s["mfu"] for s in ok]),
+            ("peak memory (GiB)", [s["peak_memory_gib"] for s in ok])]
+    for ax, (label, values) in zip(axes, bars, strict=False):
+        ax.bar(names, [v or 0 for v in values], color=[f"C{i}" for i in range(len(ok))])
+        ax.set_title(label)
+        for i, value in enumerate(values):
+            text = "n/a" if value is None else f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
+            ax.text(i, value or 0, text, ha="center", va="bottom")
+    for i, s in enumerate(ok):
+        steps = sorted(s["losses"], key=int)  # int keys, or str keys after a JSON round trip
+        losses = [s["losses"][k] for k in steps]
+        axes[3].plot([int(k) for k in steps], losses, color=f"C{i}", label=s["variant"])
+    axes[3].set_title("training loss")
+    axes[3].set_xlabel("step")
+    axes[3].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+def software_versions() -> dict[str, str | None]:
+    import torch
+
+    versions: dict[str, str | None] = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    versions["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    for package in ("nvidia-cutlass-dsl", "quack-kernels", "flash-attn-4"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    return versions
 
 
 def main() -> None:
@@ -80,7 +136,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10, help="steps excluded from the medians")
     parser.add_argument("--nproc", type=int, default=1, help="processes (torchrun) per variant")
+    parser.add_argument("--profile", type=int, default=0,
+                        help="after the timed steps, profile this many more (<out>/<variant>/profile/)")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_train")
+    parser.add_argument("--plot", type=Path, help="also draw the results into this PNG")
     parser.add_argument("overrides", nargs="*", help="scripts/train.py overrides (after --)")
     args = parser.parse_args()
     names = args.variants.split(",")
@@ -91,13 +150,16 @@ def main() -> None:
         parser.error("--warmup must be smaller than --steps")
 
     summaries = [
-        summarize(run_variant(n, args.overrides, args.steps, args.out, args.nproc), args.warmup)
+        summarize(run_variant(n, args.overrides, args.steps, args.out, args.nproc, args.profile), args.warmup)
         for n in names
     ]
     report = {"overrides": args.overrides, "steps": args.steps, "warmup": args.warmup, "nproc": args.nproc,
-              "variants": summaries}
+              "date": time.strftime("%Y-%m-%d"), "software": software_versions(), "variants": summaries}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_train.json").write_text(json.dumps(report, indent=2))
+    if args.plot:
+        gpu = report["software"]["gpu"] or "CPU"
+        plot(args.plot, summaries, f"{gpu}, {report['date']}: {' '.join(args.overrides)}")
 
     base = next((s for s in summaries if s["variant"] == "compile" and "error" not in s), None)
     print(f"\n{'variant':<16}{'ms/step':>10}{'tok/s/dev':>12}{'TFLOP/s':>9}{'MFU':>8}{'peak GiB':>10}"

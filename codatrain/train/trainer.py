@@ -33,6 +33,7 @@ from codatrain.train.parallelize import (
     apply_fsdp,
     data_parallel_mesh,
 )
+from codatrain.train.profiling import StepProfiler
 
 
 class NonFiniteError(RuntimeError):
@@ -168,6 +169,8 @@ class Trainer:
         window_start, window_steps, window_data = time.perf_counter(), 0, 0.0
         run_start, run_start_step = time.perf_counter(), self.step
         metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
+        profiler = StepProfiler(self.run_dir, tcfg.profile_steps, tcfg.profile_skip, self.dist.rank,
+                                self.dist.device)
         while self.step < tcfg.steps:
             loss, grad_norm, data_time = self.train_step(batches)
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -188,6 +191,7 @@ class Trainer:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
+            profiler.step()
             if self.step == run_start_step + 1:
                 self.logger.info(self.kernel_cache.first_step_report())
             result.losses[self.step] = loss
@@ -232,6 +236,7 @@ class Trainer:
                     with open(metrics_path, "a") as f:
                         f.write(json.dumps(record) + "\n")
             self.checkpointer.after_step(self.step, tcfg.steps)
+        profiler.stop()
         result.final_step = self.step
         self.logger.info(f"done: {self.step} steps, run dir {self.run_dir}")
         return result

@@ -1,0 +1,43 @@
+"""Optional torch.profiler capture of a few training steps, to name where the time goes."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.profiler import ProfilerActivity, profile, schedule
+
+
+class StepProfiler:
+    """Profiles `steps` optimizer steps after skipping `skip` (and one warm-up step), then writes
+    `<run_dir>/profile/summary_rank<r>.txt` (ops sorted by their own device time, or CPU time on
+    CPU) and a Chrome trace beside it. Does nothing when `steps` is 0."""
+
+    def __init__(self, run_dir: str, steps: int, skip: int, rank: int, device: torch.device) -> None:
+        self.out_dir, self.rank, self.on_gpu = os.path.join(run_dir, "profile"), rank, device.type == "cuda"
+        self.profiler = None
+        if steps > 0:
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.on_gpu else [])
+            self.profiler = profile(
+                activities=activities,
+                schedule=schedule(wait=skip, warmup=1, active=steps, repeat=1),
+                on_trace_ready=self._write,
+            )
+            self.profiler.start()
+
+    def step(self) -> None:
+        if self.profiler is not None:
+            self.profiler.step()
+
+    def stop(self) -> None:
+        if self.profiler is not None:
+            self.profiler.stop()
+            self.profiler = None
+
+    def _write(self, prof: profile) -> None:
+        os.makedirs(self.out_dir, exist_ok=True)
+        sort_by = "self_device_time_total" if self.on_gpu else "self_cpu_time_total"
+        table = prof.key_averages().table(sort_by=sort_by, row_limit=40)
+        with open(os.path.join(self.out_dir, f"summary_rank{self.rank}.txt"), "w") as f:
+            f.write(table)
+        prof.export_chrome_trace(os.path.join(self.out_dir, f"trace_rank{self.rank}.json"))

@@ -1,0 +1,33 @@
+"""scripts/bench_train.py on CPU: the variants run, the medians skip warm-up, profiles and plots appear."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_bench_train_reports_every_variant(tmp_path):
+    cmd = [
+        sys.executable, str(REPO / "scripts" / "bench_train.py"), "--variants", "eager,coda_reference",
+        "--steps", "4", "--warmup", "1", "--profile", "1", "--out", str(tmp_path),
+        "--plot", str(tmp_path / "bench.png"), "--",
+        "train.micro_batch_size=4", "train.tokens_per_step=512", "model.n_layers=2",
+    ]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "bench_train.json").read_text())
+    eager, coda = report["variants"]
+    assert [eager["variant"], coda["variant"]] == ["eager", "coda_reference"]
+    for summary in (eager, coda):
+        assert summary["timed_steps"] == 3  # steps 2-4: warm-up and the profiled steps excluded
+        assert summary["mfu"] is None and summary["tokens_per_s_per_device"] > 0
+        assert "aten::mm" in Path(summary["profile"]).read_text()
+    # Same seed, data and weights: the two block implementations start on the same loss.
+    assert coda["losses"]["1"] == pytest.approx(eager["losses"]["1"], rel=1e-5)
+    assert (tmp_path / "bench.png").stat().st_size > 10_000
+    assert "coda_reference" in proc.stdout.splitlines()[-1]
