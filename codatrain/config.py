@@ -80,7 +80,9 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     steps: int = 300
-    tokens_per_step: int = 4096  # global batch in tokens; gradient accumulation is derived from it
+    # Global batch in tokens; gradient accumulation is derived from it. null: one micro-batch per
+    # process (micro_batch_size × data.seq_len × processes), no accumulation.
+    tokens_per_step: int | None = None
     micro_batch_size: int = 16  # sequences per process per micro-step
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda
@@ -180,16 +182,30 @@ def validate(cfg: DictConfig | RunConfig) -> None:
         except OmegaConfBaseException as error:
             raise ValueError(f"invalid config: {error}") from None
     for key, allowed in CHOICES.items():
-        value = OmegaConf.select(cfg, key) if isinstance(cfg, DictConfig) else _select(cfg, key)
+        value = _get(cfg, key)
         if value not in allowed:
             raise ValueError(f"{key}={value!r} is not one of {', '.join(allowed)}")
-    for key in ("train.steps", "train.tokens_per_step", "train.micro_batch_size", "data.seq_len"):
-        value = OmegaConf.select(cfg, key) if isinstance(cfg, DictConfig) else _select(cfg, key)
+    if _get(cfg, "block.impl") == "eager":
+        for key in ("block.backend", "block.attention"):
+            if _get(cfg, key) != "auto":
+                raise ValueError(
+                    f"{key}={_get(cfg, key)!r} chooses the CODA block's kernels; it needs block=coda"
+                )
+    positive = ["train.steps", "train.micro_batch_size", "train.log_every", "data.seq_len"]
+    if _get(cfg, "train.tokens_per_step") is not None:
+        positive.append("train.tokens_per_step")
+    if _get(cfg, "train.val_every") > 0:
+        positive.append("train.val_batches")
+    for key in positive:
+        value = _get(cfg, key)
         if value <= 0:
             raise ValueError(f"{key} must be positive, got {value}")
 
 
-def _select(obj: Any, key: str) -> Any:
+def _get(cfg: DictConfig | RunConfig, key: str) -> Any:
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.select(cfg, key)
+    obj: Any = cfg
     for part in key.split("."):
         obj = getattr(obj, part)
     return obj

@@ -17,7 +17,6 @@ a window differs by more than `--tolerance` (nats).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -26,6 +25,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # runs from a checkout without `pip install -e .`
+
+from codatrain.train.metrics import read_losses  # noqa: E402
 
 
 def train(run_dir: Path, model: str, block: list[str], steps: int, extra: list[str]) -> None:
@@ -41,11 +43,6 @@ def train(run_dir: Path, model: str, block: list[str], steps: int, extra: list[s
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path}
     subprocess.run(cmd, cwd=REPO, env=env, check=True)
-
-
-def read_losses(run_dir: Path) -> dict[int, float]:
-    records = (json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines())
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
 def windowed(losses: dict[int, float], window: int) -> dict[int, float]:

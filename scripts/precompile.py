@@ -18,6 +18,7 @@ GPU (default 132: H100 SXM, H200); --check only reports whether the cache fits (
 import argparse
 import sys
 
+from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from codatrain.config import load_config, validate
@@ -46,12 +47,12 @@ def main(argv: list[str]) -> int | str:
     try:
         cfg = load_config(overrides)
         validate(cfg)
-    except ValueError as error:
+        run = OmegaConf.to_object(cfg)
+        shapes = KernelShapes.from_run(run)
+    except (ValueError, ConfigCompositionException) as error:
         return f"error: {error}"
-    run = OmegaConf.to_object(cfg)
     if run.kernels.cache_dir is None:
         return "error: say where the kernels go: kernels.cache_dir=<dir> (the training job takes the same)"
-    shapes = KernelShapes.from_run(run)
     if not shapes.any:
         print(f"{run.block} launches no CuTeDSL kernels: nothing to compile")
         return 0

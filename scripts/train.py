@@ -12,6 +12,7 @@ import hydra
 from omegaconf import DictConfig
 
 from codatrain.config import register_configs
+from codatrain.kernels.stages import BackendUnavailableError
 from codatrain.train.checkpoint import CheckpointError
 from codatrain.train.trainer import NonFiniteError, train
 
@@ -22,7 +23,7 @@ register_configs()
 def main(cfg: DictConfig) -> None:
     try:
         train(cfg)
-    except (ValueError, FileNotFoundError, CheckpointError, NonFiniteError) as error:
+    except (ValueError, FileNotFoundError, BackendUnavailableError, CheckpointError, NonFiniteError) as error:
         # Bad input or a diverged run: one clear line, not a traceback (checkpoints stay intact).
         sys.exit(f"error: {error}")
 

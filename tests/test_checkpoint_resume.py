@@ -2,7 +2,6 @@
 1, non-finite losses, HF exports during training and init_from finetuning."""
 
 import itertools
-import json
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from codatrain.model import Llama
 from codatrain.model.hf import HFCheckpoint
 from codatrain.train.checkpoint import export_checkpoint_to_hf, inspect_checkpoint
 from codatrain.train.distributed import init_distributed
+from codatrain.train.metrics import read_losses
 from codatrain.train.trainer import NonFiniteError, Trainer, train
 
 STEPS = 8
@@ -29,12 +29,6 @@ class Crash(Exception):
 
 def run(run_dir, *overrides):
     return train(load_config([*FAST, f"train.run_dir={run_dir}", *overrides]))
-
-
-def read_losses(run_dir) -> dict[int, float]:
-    """step -> loss from metrics.jsonl; after a resume the later record of a step wins."""
-    with open(run_dir / "metrics.jsonl") as f:
-        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
 
 
 def crash_on_step_call(monkeypatch, n: int) -> None:

@@ -1,11 +1,11 @@
 """block=coda through the trainer on CPU (reference stages, SDPA): against block=eager, under
 activation checkpointing, and under FSDP2 with two processes (gloo)."""
 
-import json
 
 import pytest
 
 from codatrain.config import load_config
+from codatrain.train.metrics import read_losses
 from codatrain.train.trainer import train
 
 FAST = ["train.log_every=1", "train.val_every=0", "train.progress=false", "checkpoint.at_end=false"]
@@ -17,11 +17,6 @@ SMALL = ["model.n_layers=2", "data.seq_len=64", "train.micro_batch_size=16", "tr
 
 def run(tmp_path, *overrides):
     return train(load_config([*FAST, f"train.run_dir={tmp_path}", *SMALL, *overrides]))
-
-
-def read_losses(run_dir) -> dict[int, float]:
-    with open(run_dir / "metrics.jsonl") as f:
-        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
 
 
 @pytest.mark.slow

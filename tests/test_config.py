@@ -34,6 +34,9 @@ def test_bad_override_names_the_key(override, named):
     ("block.impl=fast", "block.impl"),
     ("optim.schedule=linear", "optim.schedule"),
     ("train.steps=0", "train.steps"),
+    ("train.log_every=0", "train.log_every"),
+    ("train.val_batches=0", "train.val_batches"),
+    ("block.attention=fa4", "block.attention"),  # a CODA option, with block=eager
 ])
 def test_bad_values_name_the_key(override, named):
     with pytest.raises(ValueError, match=named):

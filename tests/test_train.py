@@ -1,10 +1,11 @@
 """The training loop end to end on CPU: in-process runs and FSDP2 under torchrun (gloo)."""
 
-import json
 
 import pytest
 
 from codatrain.config import load_config
+from codatrain.kernels.stages import BackendUnavailableError
+from codatrain.train.metrics import read_losses
 from codatrain.train.trainer import train
 
 FAST = ["train.log_every=1", "train.val_every=0", "train.progress=false", "checkpoint.at_end=false"]
@@ -12,11 +13,6 @@ FAST = ["train.log_every=1", "train.val_every=0", "train.progress=false", "check
 
 def run(tmp_path, *overrides):
     return train(load_config([*FAST, f"train.run_dir={tmp_path}", *overrides]))
-
-
-def read_losses(run_dir) -> dict[int, float]:
-    with open(run_dir / "metrics.jsonl") as f:
-        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
 
 
 def test_loss_falls_on_synthetic_data(tmp_path):
@@ -75,3 +71,10 @@ def test_per_block_compile_gives_the_same_losses(tmp_path):
     plain = run(tmp_path / "a", "train.steps=3")
     compiled = run(tmp_path / "b", "train.steps=3", "train.compile=true")
     assert compiled.losses == pytest.approx(plain.losses, rel=1e-5)
+
+
+def test_unavailable_kernels_fail_before_training(tmp_path):
+    """block.backend=cute on a CPU: a clear error when the model is built, before any data loads."""
+    with pytest.raises(BackendUnavailableError, match="cute"):
+        run(tmp_path, "block=coda", "block.backend=cute")
+    assert not (tmp_path / "metrics.jsonl").exists()

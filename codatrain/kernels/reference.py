@@ -28,6 +28,7 @@ from codatrain.kernels.stages import (
     register_backend,
     stat_dtype,
 )
+from codatrain.model.llama import rope_inv_freq
 
 
 def _rope_cos_sin(
@@ -38,9 +39,7 @@ def _rope_cos_sin(
     Angles are formed in fp64 (as the eager model does): at positions in the thousands an fp32
     angle would already be off by ~1e-3 rad.
     """
-    inv_freq = 1.0 / rope_theta ** (
-        torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim
-    )
+    inv_freq = rope_inv_freq(head_dim, rope_theta, positions.device)
     angles = positions.to(torch.float64)[:, None, None] * inv_freq
     return angles.cos().to(dtype), angles.sin().to(dtype)
 

@@ -50,7 +50,7 @@ from typing import NamedTuple
 
 import torch
 
-IGNORE_INDEX = -100
+from codatrain.model.llama import IGNORE_INDEX
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:

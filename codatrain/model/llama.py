@@ -31,14 +31,16 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
+def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str = "cpu") -> torch.Tensor:
+    """fp64 (head_dim/2,): the rotation rate of pair i, theta^(-2i/head_dim)."""
+    return 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
+
+
 def rope_cos_sin(
     positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of shape (T, head_dim) in the HF convention: angles repeated over both halves."""
-    inv_freq = 1.0 / theta ** (
-        torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim
-    )
-    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    angles = positions.to(torch.float64)[:, None] * rope_inv_freq(head_dim, theta, positions.device)[None, :]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -146,6 +148,8 @@ class Llama(nn.Module, CanonicalLayout):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if self.embed_tokens.weight.device.type != "meta":  # on meta, the trainer inits after sharding
+            self.init_weights(seed=0)
 
     def blocks(self) -> list[nn.Module]:
         """The modules FSDP2 shards one at a time (and that compile/checkpointing wrap)."""

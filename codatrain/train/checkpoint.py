@@ -2,10 +2,10 @@
 
 A checkpoint is a directory `<run_dir>/checkpoints/step_<n>/`:
 
-    shard-<r>-model-00001-of-00001.safetensors   tensors, one file per writing rank (DCP):
+    shard-<r+1:05d>-model-00001-of-00001.safetensors   tensors, one file per writing rank (DCP):
         model.<canonical name>                     the parameters
         optim.<canonical name>.<state>             the optimizer state (exp_avg, exp_avg_sq, step)
-    rank_<r>.json                                  per-rank state: data loaders, RNG
+    rank_<r:05d>.json                              per-rank state: data loaders, RNG
     checkpoint.json                                the manifest, written last: step, world size,
                                                    model config, LR schedule, optimizer
                                                    hyperparameters, the size of every file
@@ -469,13 +469,15 @@ class Checkpointer:
     @staticmethod
     def _rank0_decides(decide: Callable[[], str | None]) -> str | None:
         """Run `decide` on rank 0 only (one scan of the file system, one set of warnings) and give
-        its answer, or its CheckpointError, to every rank."""
+        its answer, or its error, to every rank (so no rank waits for an answer that never comes)."""
         answer: list[str | None] = [None, None]  # result, error
         if _rank() == 0:
             try:
                 answer[0] = decide()
             except CheckpointError as error:
                 answer[1] = str(error)
+            except Exception as error:  # an OSError, say: the other ranks must not hang
+                answer[1] = f"{type(error).__name__}: {error}"
         if dist.is_initialized():
             dist.broadcast_object_list(answer, src=0)
         if answer[1] is not None:

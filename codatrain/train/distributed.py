@@ -30,7 +30,7 @@ def resolve_device(name: str, local_rank: int) -> torch.device:
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError("train.device=cuda but no CUDA device is visible")
+            raise ValueError("train.device=cuda but no CUDA device is visible")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")

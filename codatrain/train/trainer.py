@@ -63,13 +63,14 @@ class Trainer:
         self.model_cfg = model_config(run.model)
         self.seq_len = run.data.seq_len
         tokens_per_micro_step = tcfg.micro_batch_size * self.seq_len * dist_info.world_size
-        if tcfg.tokens_per_step % tokens_per_micro_step:
+        self.tokens_per_step = tcfg.tokens_per_step or tokens_per_micro_step
+        if self.tokens_per_step % tokens_per_micro_step:
             raise ValueError(
-                f"train.tokens_per_step={tcfg.tokens_per_step} is not a multiple of micro_batch_size × "
+                f"train.tokens_per_step={self.tokens_per_step} is not a multiple of micro_batch_size × "
                 f"data.seq_len × processes = {tcfg.micro_batch_size} × {self.seq_len} × "
                 f"{dist_info.world_size} = {tokens_per_micro_step}"
             )
-        self.grad_accum = tcfg.tokens_per_step // tokens_per_micro_step
+        self.grad_accum = self.tokens_per_step // tokens_per_micro_step
 
         # Before any kernel can compile: point the CuTeDSL kernels at kernels.cache_dir, rebuilding
         # it (or failing, kernels.on_stale) when it was not built for this run and software.
@@ -78,7 +79,7 @@ class Trainer:
         # Build on the meta device, wrap, shard, then materialise: no process ever holds the full
         # model, and init is drawn per canonical tensor so it is the same for any sharding.
         with torch.device("meta"):
-            model = build_model(self.model_cfg, run.block)
+            model = build_model(self.model_cfg, run.block, device)
         if tcfg.activation_checkpointing:
             apply_activation_checkpointing(model)
         if tcfg.compile:
@@ -166,12 +167,14 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.dist.device)
         batches = iter(self.train_data)
         skipped = 0
-        window_start, window_steps, window_data = time.perf_counter(), 0, 0.0
+        # Rates count the time of training steps only, not validation, checkpoints or logging.
+        window_time, window_steps, window_data = 0.0, 0, 0.0
         run_start, run_start_step = time.perf_counter(), self.step
         metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
         profiler = StepProfiler(self.run_dir, tcfg.profile_steps, tcfg.profile_skip, self.dist.rank,
                                 self.dist.device)
         while self.step < tcfg.steps:
+            step_start = time.perf_counter()
             loss, grad_norm, data_time = self.train_step(batches)
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 self.optimizer.zero_grad(set_to_none=True)
@@ -190,6 +193,7 @@ class Trainer:
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
+            window_time += time.perf_counter() - step_start
             self.step += 1
             profiler.step()
             if self.step == run_start_step + 1:
@@ -201,9 +205,8 @@ class Trainer:
 
             record = None
             if self.step % tcfg.log_every == 0 or self.step == tcfg.steps:
-                elapsed = time.perf_counter() - window_start
                 rate = throughput(
-                    window_steps * tcfg.tokens_per_step, elapsed, self.dist.world_size,
+                    window_steps * self.tokens_per_step, window_time, self.dist.world_size,
                     self.flops_per_token, self.peak,
                 )
                 per_step = (time.perf_counter() - run_start) / (self.step - run_start_step)
@@ -212,7 +215,7 @@ class Trainer:
                     "tokens_per_s": rate.tokens_per_s,
                     "tokens_per_s_per_device": rate.tokens_per_s_per_device,
                     "tflops_per_device": rate.tflops_per_device, "mfu": rate.mfu,
-                    "step_time_s": elapsed / window_steps, "data_time_s": window_data / window_steps,
+                    "step_time_s": window_time / window_steps, "data_time_s": window_data / window_steps,
                     "peak_memory_gib": peak_memory_gib(self.dist.device),
                 }
                 self.logger.info(
@@ -224,7 +227,7 @@ class Trainer:
                     f"data {record['data_time_s'] * 1e3:.1f} ms/step | "
                     f"eta {format_duration(per_step * (tcfg.steps - self.step))}"
                 )
-                window_start, window_steps, window_data = time.perf_counter(), 0, 0.0
+                window_time, window_steps, window_data = 0.0, 0, 0.0
             if self.validation_due():
                 val_loss = self.evaluate()
                 result.val_losses[self.step] = val_loss
@@ -247,7 +250,7 @@ class Trainer:
             f"codatrain | block={self.run.block.impl} | {self.run.model.preset}: "
             f"{cfg.num_params() / 1e6:.1f}M params, {self.flops_per_token / 1e9:.3f} GFLOP/token | "
             f"{self.dist.world_size} × {self.dist.device.type} | seq {self.seq_len} × micro-batch "
-            f"{tcfg.micro_batch_size} × accum {self.grad_accum} = {tcfg.tokens_per_step} tokens/step"
+            f"{tcfg.micro_batch_size} × accum {self.grad_accum} = {self.tokens_per_step} tokens/step"
         )
 
     def close(self) -> None:

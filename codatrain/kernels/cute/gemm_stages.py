@@ -24,6 +24,7 @@ from torch import Tensor
 
 from codatrain.kernels.cute.epilogues import rstd_epi, rstd_lse_target_epi, rstd_swiglu_epi
 from codatrain.kernels.cute.torch_op import stage_op
+from codatrain.model.llama import rope_inv_freq
 
 
 def sm90_config(tile_m: int, tile_n: int, *, pingpong: bool, cluster_m: int, cluster_n: int) -> GemmConfig:
@@ -131,7 +132,7 @@ def rope_freq(head_dim: int, rope_heads: int, n: int, rope_theta: float, device:
     """Per-column inverse frequency as QuACK's float-float table (hi, lo per pair, in turns):
     pair i of each of the first rope_heads heads gets rope_theta^(-2i/head_dim), the v columns
     zero (angle 0 is an exact identity). Built in fp64, once per shape."""
-    inv_freq = 1.0 / rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    inv_freq = rope_inv_freq(head_dim, rope_theta)
     rope_cols = rope_heads * head_dim
     return make_interleaved_inv_freq(inv_freq, rope_cols, n - rope_cols).to(device)
 
