@@ -78,3 +78,24 @@ def test_unavailable_kernels_fail_before_training(tmp_path):
     with pytest.raises(BackendUnavailableError, match="cute"):
         run(tmp_path, "block=coda", "block.backend=cute")
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_wandb_offline_run_records_the_resolved_config(tmp_path, monkeypatch):
+    import wandb
+
+    seen = {}
+    real_init = wandb.init
+
+    def init(**kwargs):
+        seen.update(kwargs)
+        return real_init(**kwargs)
+
+    monkeypatch.setattr(wandb, "init", init)
+    run(tmp_path, "train.steps=2", "logger.wandb.mode=offline", "logger.wandb.project=codatrain-test",
+        f"train.run_dir={tmp_path}/${{model.preset}}")
+    assert seen["mode"] == "offline" and seen["project"] == "codatrain-test"
+    config = seen["config"]
+    assert config["train"]["run_dir"] == f"{tmp_path}/tiny"  # resolved, not an interpolation
+    assert config["model"]["preset"] == "tiny" and config["train"]["steps"] == 2
+    runs = list((tmp_path / "tiny" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1 and runs[0].stat().st_size > 0
