@@ -264,6 +264,7 @@ def _two_rank_worker(rank: int, world_size: int, port: int, tmp: str) -> None:
         trained = run.canonical()
         if rank == 0:
             save_file(trained, str(Path(tmp) / "saved_by_two.safetensors"))
+        dist.barrier()  # no rank tears the group down while another still talks to it
     finally:
         dist.destroy_process_group()
 

@@ -21,6 +21,7 @@ from codatrain.train.checkpoint import Checkpointer
 from codatrain.train.distributed import (
     DistInfo,
     all_reduce_mean,
+    barrier,
     init_distributed,
     shutdown_distributed,
 )
@@ -265,7 +266,9 @@ def train(cfg: DictConfig) -> TrainResult:
     trainer = None
     try:
         trainer = Trainer(run, cfg, dist_info)
-        return trainer.fit()
+        result = trainer.fit()
+        barrier()  # no rank tears the process group down while another still talks to it
+        return result
     finally:
         if trainer is not None:
             trainer.close()
