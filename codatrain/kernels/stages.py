@@ -46,11 +46,13 @@ import functools
 import importlib
 import warnings
 from abc import ABC, abstractmethod
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 
 from codatrain.model.llama import IGNORE_INDEX
+
+T = TypeVar("T")
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -340,24 +342,32 @@ def register_backend(name: str, backend: StageBackend) -> None:
     _BACKENDS[name] = backend
 
 
-def _load(name: str) -> StageBackend:
-    if name not in _BACKENDS:
-        if name not in _PROVIDERS:
-            known = ", ".join(sorted({*_PROVIDERS, *_BACKENDS, "auto"}))
-            raise ValueError(f"unknown stage backend {name!r}; known backends: {known}")
-        hint = (
-            "It needs an sm_90 GPU and the cuda extras (pip install 'codatrain[cuda]'); "
-            "block.backend=reference runs anywhere."
-        )
+def load_registered(kind: str, name: str, registry: dict[str, T], providers: dict[str, str], hint: str) -> T:
+    """`registry[name]`, first importing the module that registers it (`providers[name]`) if needed.
+
+    Shared by the stage backends and the attention implementations; `kind` names them in errors.
+    """
+    if name not in registry:
+        if name not in providers:
+            known = ", ".join(sorted({*providers, *registry, "auto"}))
+            raise ValueError(f"unknown {kind} {name!r}; known: {known}")
         try:
-            importlib.import_module(_PROVIDERS[name])
+            importlib.import_module(providers[name])
         except ImportError as exc:
-            raise BackendUnavailableError(f"stage backend {name!r} is unavailable: {exc}. {hint}") from exc
-        if name not in _BACKENDS:
+            raise BackendUnavailableError(f"{kind} {name!r} is unavailable: {exc}. {hint}") from exc
+        if name not in registry:
             raise BackendUnavailableError(
-                f"stage backend {name!r} is unavailable: {_PROVIDERS[name]} did not register it. {hint}"
+                f"{kind} {name!r} is unavailable: {providers[name]} did not register it. {hint}"
             )
-    return _BACKENDS[name]
+    return registry[name]
+
+
+def _load(name: str) -> StageBackend:
+    hint = (
+        "It needs an sm_90 GPU and the cuda extras (pip install 'codatrain[cuda]'); "
+        "block.backend=reference runs anywhere."
+    )
+    return load_registered("stage backend", name, _BACKENDS, _PROVIDERS, hint)
 
 
 def is_sm90(device: torch.device) -> bool:

@@ -8,13 +8,12 @@ any device) here, `fa4` (FlashAttention 4, sm_90) by `codatrain.kernels.cute` on
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from codatrain.kernels.stages import BackendUnavailableError, is_sm90
+from codatrain.kernels.stages import BackendUnavailableError, is_sm90, load_registered
 
 # (q (B, T, h_q, d_h), k (B, T, h_kv, d_h), v (B, T, h_kv, d_h)) -> out (B, T, h_q, d_h), causal.
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -44,25 +43,14 @@ def get_attention(name: str, device: torch.device) -> AttentionFn:
             except BackendUnavailableError:
                 pass
         return _IMPLS["sdpa"]
-    if name not in _IMPLS:
-        if name not in _PROVIDERS:
-            known = ", ".join(sorted({*_IMPLS, *_PROVIDERS, "auto"}))
-            raise ValueError(f"unknown attention {name!r}; known: {known}")
-        hint = (
-            "It needs an sm_90 GPU and the cuda extras (pip install 'codatrain[cuda]'); "
-            "block.attention=sdpa runs anywhere."
-        )
-        try:
-            importlib.import_module(_PROVIDERS[name])
-        except ImportError as exc:
-            raise BackendUnavailableError(f"attention {name!r} is unavailable: {exc}. {hint}") from exc
-        if name not in _IMPLS:
-            raise BackendUnavailableError(
-                f"attention {name!r} is unavailable: {_PROVIDERS[name]} did not register it. {hint}"
-            )
+    hint = (
+        "It needs an sm_90 GPU and the cuda extras (pip install 'codatrain[cuda]'); "
+        "block.attention=sdpa runs anywhere."
+    )
+    fn = load_registered("attention", name, _IMPLS, _PROVIDERS, hint)
     if name == "fa4" and not is_sm90(device):
         raise BackendUnavailableError(f"attention 'fa4' needs an sm_90 GPU, not {device}")
-    return _IMPLS[name]
+    return fn
 
 
 def causal_attention(
