@@ -4,25 +4,11 @@ gradient, logits, and the canonical state moving between the two."""
 import pytest
 import torch
 import torch.nn.functional as F
+from model_states import random_canonical_state
 
 from codatrain.model.coda import CodaLlama
 from codatrain.model.config import LlamaConfig, get_preset
 from codatrain.model.llama import IGNORE_INDEX, Llama, lm_loss
-
-
-def random_canonical_state(cfg: LlamaConfig, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
-    """Weights of unit-scale activations and γ far from 1, so every term of the math matters."""
-    g = torch.Generator().manual_seed(seed)
-    state = {}
-    for name, p in Llama(cfg).named_parameters():
-        if p.ndim == 1:
-            value = 1 + 0.3 * torch.randn(p.shape, generator=g)
-        elif name == "embed_tokens.weight":
-            value = torch.randn(p.shape, generator=g)
-        else:
-            value = torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5
-        state[name] = value.to(dtype)
-    return state
 
 
 def model_pair(cfg, dtype, seed=0, head_chunk_rows=None):

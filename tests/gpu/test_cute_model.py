@@ -18,6 +18,8 @@ if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 
 pytest.importorskip("quack")
 pytest.importorskip("flash_attn.cute")
 
+from model_states import random_canonical_state  # noqa: E402
+
 from codatrain.model.coda import CodaLlama  # noqa: E402
 from codatrain.model.config import LlamaConfig, get_preset  # noqa: E402
 from codatrain.model.llama import IGNORE_INDEX, Llama  # noqa: E402
@@ -35,21 +37,6 @@ CASES = {
     "gqa4-small": (LlamaConfig(dim=256, n_layers=3, n_heads=4, n_kv_heads=1, ffn_dim=704,
                                vocab_size=1000, rope_theta=10000.0), 3, 200),
 }
-
-
-def canonical_state(cfg: LlamaConfig, seed: int) -> dict[str, torch.Tensor]:
-    """fp32 weights giving unit-scale activations, with γ far from 1 so that every term matters."""
-    g = torch.Generator().manual_seed(seed)
-    state = {}
-    for name, p in Llama(cfg).named_parameters():
-        if p.ndim == 1:
-            value = 1 + 0.3 * torch.randn(p.shape, generator=g)
-        elif name == "embed_tokens.weight":
-            value = torch.randn(p.shape, generator=g)
-        else:
-            value = torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5
-        state[name] = value
-    return state
 
 
 @torch.no_grad()
@@ -74,7 +61,7 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("case", list(CASES))
 def test_cute_model_matches_eager(case):
     cfg, batch, seq = CASES[case]
-    state = canonical_state(cfg, seed=0)
+    state = random_canonical_state(cfg, torch.float32, seed=0)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(DEVICE)
     targets = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
