@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from codatrain.kernels.stages import StageBackend, get_backend  # noqa: E402
 from codatrain.model.attention import get_attention  # noqa: E402
-from codatrain.model.coda import HEAD_CHUNK_ELEMENTS, CodaLayer, _Step  # noqa: E402
+from codatrain.model.coda import CodaLayer, _Step, default_head_chunk_rows  # noqa: E402
 from codatrain.model.config import LlamaConfig, get_preset  # noqa: E402
 from codatrain.model.llama import Block, rope_cos_sin  # noqa: E402
 
@@ -113,7 +113,7 @@ class Inputs:
         self.preact = randn(tokens, 2 * f)
         self.zdz = torch.randn(tokens, device=device)
         # One LM-head backward chunk, as the CODA model cuts it (codatrain.model.coda).
-        self.head_rows = min(tokens, max(1, HEAD_CHUNK_ELEMENTS // cfg.vocab_size))
+        self.head_rows = min(tokens, default_head_chunk_rows(cfg.vocab_size))
         self.lse = torch.rand(tokens, device=device) + 10
         self.grad_scale = torch.tensor(1.0 / tokens, device=device)
 

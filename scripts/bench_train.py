@@ -1,14 +1,19 @@
-"""End-to-end training benchmark: real steps (data, optimizer, logging, FSDP2 when under torchrun)
-for several block variants of one model, each in its own process, reported side by side.
+"""End-to-end training benchmark: real steps (data loading, optimizer, logging, FSDP2 under
+torchrun) for several block variants of one model, each in its own torchrun job, side by side.
 
     python scripts/bench_train.py --variants eager,compile,coda --steps 30 --warmup 10 \
-        -- model=llama3_1b data=synthetic data.seq_len=8192 train.micro_batch_size=4 \
-           train.tokens_per_step=32768
+        --plot runs/bench_train/bench.png \
+        -- model=llama3_1b data=synthetic data.seq_len=8192 train.micro_batch_size=4
+    python scripts/bench_train.py --replot runs/bench_train/bench_train.json --plot bench.png
 
 Everything after `--` is passed to scripts/train.py for every variant. Each variant's per-step
 records (metrics.jsonl) are read back; the first `--warmup` steps are excluded and the medians of
-the rest are reported. Writes <out>/bench_train.json and prints a table. `--profile N` profiles N
-more steps after the timed ones (a torch.profiler summary per variant, named in the JSON).
+the rest are reported: time per step, tokens/s and TFLOP/s per device, MFU, peak memory and the
+resident model state (parameters + optimizer state, allocated between steps), whose difference is
+what a step needs for activations, gradients and temporaries. Writes <out>/bench_train.json and
+prints a table; `--replot` redraws the chart and the table from such a JSON. `--profile N`
+profiles N more steps after the timed ones (a torch.profiler summary per variant, named in the
+JSON).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ VARIANTS = {
     "eager": ["block=eager"],
     "compile": ["block=eager", "train.compile=true"],
     "coda": ["block=coda"],
+    "coda_compile": ["block=coda", "train.compile=true"],
     "coda_reference": ["block=coda", "block.backend=reference"],
 }
 
@@ -37,9 +43,8 @@ def run_variant(name: str, overrides: list[str], steps: int, out: Path, nproc: i
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics = run_dir / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
-    launcher = [sys.executable] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-    ]
+    # torchrun even for one process: FSDP2 (bf16 compute, fp32 master weights) as in real runs.
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     # Profiled steps (and the profiler's warm-up step) come after the timed ones.
     total_steps = steps + profile + 1 if profile else steps
     cmd = [
@@ -67,6 +72,8 @@ def summarize(result: dict, warmup: int) -> dict:
         return {"variant": result["variant"], "error": "no steps after warm-up"}
     med = lambda key: statistics.median(r[key] for r in timed)
     mfu = [r["mfu"] for r in timed if r.get("mfu") is not None]
+    resident = [r["resident_memory_gib"] for r in timed if r.get("resident_memory_gib") is not None]
+    peak = max(r["peak_memory_gib"] for r in timed)
     return {
         "variant": result["variant"],
         "timed_steps": len(timed),
@@ -74,7 +81,9 @@ def summarize(result: dict, warmup: int) -> dict:
         "tokens_per_s_per_device": med("tokens_per_s_per_device"),
         "tflops_per_device": med("tflops_per_device"),
         "mfu": statistics.median(mfu) if mfu else None,
-        "peak_memory_gib": max(r["peak_memory_gib"] for r in timed),
+        "peak_memory_gib": peak,
+        "resident_memory_gib": statistics.median(resident) if resident else None,
+        "step_memory_gib": peak - statistics.median(resident) if resident else None,
         "data_time_s": med("data_time_s"),
         "final_loss": timed[-1]["loss"],
         "losses": {r["step"]: r["loss"] for r in result["records"]},
@@ -91,16 +100,23 @@ def plot(path: Path, summaries: list[dict], title: str) -> None:
 
     ok = [s for s in summaries if "error" not in s]
     names = [s["variant"] for s in ok]
-    fig, axes = plt.subplots(1, 4, figsize=(17, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4.5))
     bars = [("tokens/s per device", [s["tokens_per_s_per_device"] for s in ok]),
             ("MFU (%)", [None if s["mfu"] is None else 100 * s["mfu"] for s in ok]),
             ("peak memory (GiB)", [s["peak_memory_gib"] for s in ok])]
+    colors = [f"C{i}" for i in range(len(ok))]
     for ax, (label, values) in zip(axes, bars, strict=False):
-        ax.bar(names, [v or 0 for v in values], color=[f"C{i}" for i in range(len(ok))])
+        ax.bar(names, [v or 0 for v in values], color=colors)
         ax.set_title(label)
+        ax.tick_params(axis="x", labelrotation=20)
         for i, value in enumerate(values):
             text = "n/a" if value is None else f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
             ax.text(i, value or 0, text, ha="center", va="bottom")
+    # The resident model state (parameters + optimizer state) hatched at the foot of each memory bar.
+    state = [s.get("resident_memory_gib") for s in ok]
+    if all(v is not None for v in state):
+        axes[2].bar(names, state, color="none", edgecolor="black", hatch="//", label="model state")
+        axes[2].legend(loc="upper right")
     for i, s in enumerate(ok):
         steps = sorted(s["losses"], key=int)  # int keys, or str keys after a JSON round trip
         losses = [s["losses"][k] for k in steps]
@@ -128,6 +144,24 @@ def software_versions() -> dict[str, str | None]:
     return versions
 
 
+def print_table(summaries: list[dict]) -> None:
+    """One row per variant; tokens/s relative to `compile` (eager + torch.compile) when it ran."""
+    base = next((s for s in summaries if s["variant"] == "compile" and "error" not in s), None)
+    print(f"\n{'variant':<14}{'ms/step':>9}{'tok/s/dev':>11}{'TFLOP/s':>9}{'MFU':>7}{'peak GiB':>10}"
+          f"{'state GiB':>11}{'step GiB':>10}{'vs compile':>12}")
+    for s in summaries:
+        if "error" in s:
+            print(f"{s['variant']:<14}  {s['error']}")
+            continue
+        mfu = "n/a" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%"
+        ratio = f"{s['tokens_per_s_per_device'] / base['tokens_per_s_per_device']:.3f}x" if base else "-"
+        state, step = (s.get(k) for k in ("resident_memory_gib", "step_memory_gib"))
+        print(f"{s['variant']:<14}{1e3 * s['step_time_s']:>9.1f}{s['tokens_per_s_per_device']:>11,.0f}"
+              f"{s['tflops_per_device']:>9.1f}{mfu:>7}{s['peak_memory_gib']:>10.2f}"
+              f"{'-' if state is None else f'{state:.2f}':>11}{'-' if step is None else f'{step:.2f}':>10}"
+              f"{ratio:>12}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -140,38 +174,38 @@ def main() -> None:
                         help="after the timed steps, profile this many more (<out>/<variant>/profile/)")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_train")
     parser.add_argument("--plot", type=Path, help="also draw the results into this PNG")
+    parser.add_argument("--replot", type=Path, metavar="JSON",
+                        help="run nothing: redraw --plot and the table from this bench_train.json")
     parser.add_argument("overrides", nargs="*", help="scripts/train.py overrides (after --)")
     args = parser.parse_args()
-    names = args.variants.split(",")
-    unknown = [n for n in names if n not in VARIANTS]
-    if unknown:
-        parser.error(f"unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}")
-    if args.warmup >= args.steps:
-        parser.error("--warmup must be smaller than --steps")
 
-    summaries = [
-        summarize(run_variant(n, args.overrides, args.steps, args.out, args.nproc, args.profile), args.warmup)
-        for n in names
-    ]
-    report = {"overrides": args.overrides, "steps": args.steps, "warmup": args.warmup, "nproc": args.nproc,
-              "date": time.strftime("%Y-%m-%d"), "software": software_versions(), "variants": summaries}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_train.json").write_text(json.dumps(report, indent=2))
+    if args.replot:
+        try:
+            report = json.loads(args.replot.read_text())
+        except (OSError, ValueError) as error:
+            parser.error(f"--replot {args.replot}: {error}")
+    else:
+        names = args.variants.split(",")
+        unknown = [n for n in names if n not in VARIANTS]
+        if unknown:
+            parser.error(f"unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}")
+        if args.warmup >= args.steps:
+            parser.error("--warmup must be smaller than --steps")
+        summaries = [
+            summarize(run_variant(n, args.overrides, args.steps, args.out, args.nproc, args.profile),
+                      args.warmup)
+            for n in names
+        ]
+        report = {"overrides": args.overrides, "steps": args.steps, "warmup": args.warmup,
+                  "nproc": args.nproc, "date": time.strftime("%Y-%m-%d"), "software": software_versions(),
+                  "variants": summaries}
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_train.json").write_text(json.dumps(report, indent=2))
     if args.plot:
         gpu = report["software"]["gpu"] or "CPU"
-        plot(args.plot, summaries, f"{gpu}, {report['date']}: {' '.join(args.overrides)}")
-
-    base = next((s for s in summaries if s["variant"] == "compile" and "error" not in s), None)
-    print(f"\n{'variant':<16}{'ms/step':>10}{'tok/s/dev':>12}{'TFLOP/s':>9}{'MFU':>8}{'peak GiB':>10}"
-          f"{'vs compile':>12}")
-    for s in summaries:
-        if "error" in s:
-            print(f"{s['variant']:<16}  {s['error']}")
-            continue
-        mfu = "n/a" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%"
-        ratio = f"{s['tokens_per_s_per_device'] / base['tokens_per_s_per_device']:.3f}x" if base else "-"
-        print(f"{s['variant']:<16}{1e3 * s['step_time_s']:>10.1f}{s['tokens_per_s_per_device']:>12,.0f}"
-              f"{s['tflops_per_device']:>9.1f}{mfu:>8}{s['peak_memory_gib']:>10.2f}{ratio:>12}")
+        title = f"{gpu}, {report['nproc']} process(es), {report['date']}: {' '.join(report['overrides'])}"
+        plot(args.plot, report["variants"], title)
+    print_table(report["variants"])
 
 
 if __name__ == "__main__":

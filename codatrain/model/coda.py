@@ -31,8 +31,20 @@ from codatrain.model.config import LlamaConfig
 from codatrain.model.llama import CanonicalLayout
 
 # Rows of the LM-head backward processed at once are chosen so that one chunk of dlogits holds
-# about this many elements (128M: 256 MiB in bf16), far below the M×V logits of an eager head.
-HEAD_CHUNK_ELEMENTS = 1 << 27
+# at most about this many elements (512M: 1 GiB in bf16; 4096 rows at V = 128256), a fraction of
+# the M×V logits (and their fp32 copies) an eager head keeps. Bigger chunks make the chunk's three
+# GEMMs longer: the weight-gradient GEMM contracts over the chunk's rows and adds its V×d result
+# into the fp32 dW once per chunk, which at a few hundred rows costs more than its arithmetic.
+HEAD_CHUNK_ELEMENTS = 1 << 29
+# Chunks are whole multiples of a 2-CTA cluster of 128-row tiles (so no tile is partly empty)
+# and their per-row statistics start on 16-byte boundaries.
+HEAD_CHUNK_MULTIPLE = 256
+
+
+def default_head_chunk_rows(vocab_size: int) -> int:
+    """Default rows per chunk of the LM-head backward for a vocabulary of `vocab_size`."""
+    rows = HEAD_CHUNK_ELEMENTS // vocab_size
+    return max(HEAD_CHUNK_MULTIPLE, rows - rows % HEAD_CHUNK_MULTIPLE)
 
 
 @dataclass(frozen=True)
@@ -353,7 +365,7 @@ class CodaLlama(nn.Module, CanonicalLayout):
     targets)` the mean cross-entropy over targets that are not IGNORE_INDEX.
 
     backend: stage backend (reference | cute | auto); attention: sdpa | fa4 | auto.
-    head_chunk_rows: rows per chunk of the LM-head backward (default: HEAD_CHUNK_ELEMENTS / V).
+    head_chunk_rows: rows per chunk of the LM-head backward (default: `default_head_chunk_rows(V)`).
     """
 
     def __init__(
@@ -363,7 +375,7 @@ class CodaLlama(nn.Module, CanonicalLayout):
         super().__init__()
         self.cfg, self.backend, self.attention = cfg, backend, attention
         self.entry = CodaEntry(cfg)
-        chunk_rows = head_chunk_rows or max(1, HEAD_CHUNK_ELEMENTS // cfg.vocab_size)
+        chunk_rows = head_chunk_rows or default_head_chunk_rows(cfg.vocab_size)
         self.layers = nn.ModuleList(
             [*(CodaLayer(cfg) for _ in range(cfg.n_layers - 1)), CodaFinalLayer(cfg, chunk_rows)]
         )

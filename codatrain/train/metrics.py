@@ -67,6 +67,13 @@ def peak_memory_gib(device: torch.device) -> float:
     return rss / 2**30 if sys.platform == "darwin" else rss / 2**20  # Linux reports KiB
 
 
+def resident_memory_gib(device: torch.device) -> float | None:
+    """GPU memory allocated right now; between steps that is the model's state alone (parameters
+    and optimizer state: gradients are freed, activations gone), so peak − resident is what one
+    step needs on top of it. None on CPU."""
+    return torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
 def format_mfu(mfu: float | None) -> str:
     return "n/a" if mfu is None else f"{100 * mfu:.1f}%"
 

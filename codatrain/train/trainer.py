@@ -26,7 +26,13 @@ from codatrain.train.distributed import (
     shutdown_distributed,
 )
 from codatrain.train.logger import RunLogger
-from codatrain.train.metrics import format_mfu, peak_flops, peak_memory_gib, throughput
+from codatrain.train.metrics import (
+    format_mfu,
+    peak_flops,
+    peak_memory_gib,
+    resident_memory_gib,
+    throughput,
+)
 from codatrain.train.optim import build_optimizer, build_scheduler
 from codatrain.train.parallelize import (
     apply_activation_checkpointing,
@@ -218,6 +224,7 @@ class Trainer:
                     "tflops_per_device": rate.tflops_per_device, "mfu": rate.mfu,
                     "step_time_s": window_time / window_steps, "data_time_s": window_data / window_steps,
                     "peak_memory_gib": peak_memory_gib(self.dist.device),
+                    "resident_memory_gib": resident_memory_gib(self.dist.device),
                 }
                 self.logger.info(
                     f"step {self.step}/{tcfg.steps} | loss {loss:.4f} | lr {lr:.2e} | "

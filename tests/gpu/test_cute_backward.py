@@ -31,8 +31,8 @@ from codatrain.kernels.stages import IGNORE_INDEX, get_backend  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-# Rows of one LM-head backward chunk at Llama-3 vocab size (codatrain.model.coda.HEAD_CHUNK_ELEMENTS
-# / V): not a multiple of any tile, and chunks after the first start off 16-byte alignment.
+# Rows of an LM-head backward chunk that is not a multiple of any tile, so that chunks after the
+# first start off 16-byte alignment (the model's default chunks avoid both; other values work).
 HEAD_CHUNK_ROWS = 1046
 
 

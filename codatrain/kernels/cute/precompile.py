@@ -46,7 +46,7 @@ from codatrain.kernels.cute import CuteStages, entry, rowwise
 from codatrain.kernels.precompile import KernelShapes, fa4_caches, jit_compilers
 from codatrain.kernels.stages import IGNORE_INDEX
 from codatrain.model.attention import causal_attention
-from codatrain.model.coda import HEAD_CHUNK_ELEMENTS
+from codatrain.model.coda import default_head_chunk_rows
 
 # Training activations are bf16 (autocast on one GPU, FSDP2's param dtype on several);
 # statistics fp32.
@@ -103,7 +103,7 @@ def _qkv_dim(s: KernelShapes) -> int:
 
 def _head_rows(s: KernelShapes) -> int:
     """Rows per chunk of the LM-head backward, as `CodaLlama` chooses them by default."""
-    return min(_tokens(s), max(1, HEAD_CHUNK_ELEMENTS // s.vocab_size))
+    return min(_tokens(s), default_head_chunk_rows(s.vocab_size))
 
 
 # ---- the stage families -----------------------------------------------------------------------
