@@ -114,6 +114,8 @@ class Inputs:
         self.zdz = torch.randn(tokens, device=device)
         # One LM-head backward chunk, as the CODA model cuts it (codatrain.model.coda).
         self.head_rows = min(tokens, default_head_chunk_rows(cfg.vocab_size))
+        self.dlogits = randn(self.head_rows, cfg.vocab_size)
+        self.dw_head = torch.zeros(cfg.vocab_size, d, device=device)  # fp32, as the model accumulates
         self.lse = torch.rand(tokens, device=device) + 10
         self.grad_scale = torch.tensor(1.0 / tokens, device=device)
 
@@ -158,7 +160,12 @@ def stage_rows(s: StageBackend, ref: StageBackend, x: Inputs) -> list[Row]:
         ("B gate/up dgrad + RMSNorm bwd + residual", "gemm_rms_bwd",
          (x.preact, x.w_gu, x.x, x.gamma, x.rstd, x.zdz, x.x), {}, dgrad(x.preact, x.w_gu)),
         ("B out-proj dgrad", "dgrad", (x.x, x.w_o), {}, dgrad(x.x, x.w_o)),
+        ("B out-proj wgrad", "wgrad", (x.x, x.attn_out), {}, wgrad(x.x, x.attn_out)),
         ("B gate/up wgrad", "wgrad", (x.preact, x.h), {}, wgrad(x.preact, x.h)),
+        ("B down wgrad", "wgrad", (x.x, x.y), {}, wgrad(x.x, x.y)),
+        ("B QKV wgrad", "wgrad", (x.dqkv, x.h), {}, wgrad(x.dqkv, x.h)),
+        ("B LM-head wgrad, one chunk, += fp32", "wgrad", (x.dlogits, x.h[:x.head_rows]),
+         {"accumulate_into": x.dw_head}, wgrad(x.dlogits, x.h[:x.head_rows])),
         ("B LM-head CE bwd (one chunk)", "gemm_rstd_ce_bwd",
          (x.h[:x.head_rows], x.w_head, x.rstd[:x.head_rows], x.tokens[:x.head_rows], x.lse[:x.head_rows],
           x.grad_scale), {}, gemm(x.h[:x.head_rows], x.w_head)),
@@ -292,10 +299,14 @@ def fwd_bwd_fns(
 
 
 def sweep(x: Inputs, device: torch.device, stages: list[str], warmup: int, iters: int) -> list[dict]:
-    """Time cute GEMM stages under candidate tile configs (the winners go into CONFIGS)."""
-    from codatrain.kernels.cute import gemm_stages
+    """Time cute GEMM stages under candidate tile configs (the winners go into the CONFIGS of
+    gemm_stages.py and gemm_bwd_stages.py), each next to the same GEMM alone in cuBLAS."""
+    from codatrain.kernels.cute import gemm_bwd_stages, gemm_stages
 
     s = get_backend("cute", device)
+    fwd, bwd = gemm_stages.CONFIGS, gemm_bwd_stages.CONFIGS
+    rows = x.head_rows
+    norm_bwd = (x.x, x.gamma, x.rstd, x.zdz, x.x)  # the norm's input, γ, rstd, zdz, residual grad
     cfg = gemm_stages.sm90_config
     candidates = {
         "128x192 pingpong c2x1": cfg(128, 192, pingpong=True, cluster_m=2, cluster_n=1),
@@ -306,27 +317,50 @@ def sweep(x: Inputs, device: torch.device, stages: list[str], warmup: int, iters
         "256x128 coop c1x2": cfg(256, 128, pingpong=False, cluster_m=1, cluster_n=2),
         "256x128 coop c2x1": cfg(256, 128, pingpong=False, cluster_m=2, cluster_n=1),
     }
-    calls = {  # (CONFIGS key, call)
-        "F1": ("residual_rms", lambda: s.gemm_residual_rms(x.attn_out, x.w_o, x.x, x.gamma)),
-        "F3": ("residual_rms", lambda: s.gemm_residual_rms(x.y, x.w_down, x.x, x.gamma)),
-        "F2": ("rstd_swiglu", lambda: s.gemm_rstd_swiglu(x.h, x.w_gu, x.rstd)),
-        "F4": ("rstd_rope", lambda: s.gemm_rstd_rope(x.h, x.w_qkv, x.rstd, x.positions, **x.rope)),
-        "LM": ("rstd_lse", lambda: s.gemm_rstd_lse(x.h, x.w_head, x.rstd, x.tokens)),
+    calls = {  # stage: (CONFIGS dict, key, call, the same GEMM in cuBLAS)
+        "F1": (fwd, "residual_rms", lambda: s.gemm_residual_rms(x.attn_out, x.w_o, x.x, x.gamma),
+               lambda: torch.mm(x.attn_out, x.w_o.t())),
+        "F3": (fwd, "residual_rms", lambda: s.gemm_residual_rms(x.y, x.w_down, x.x, x.gamma),
+               lambda: torch.mm(x.y, x.w_down.t())),
+        "F2": (fwd, "rstd_swiglu", lambda: s.gemm_rstd_swiglu(x.h, x.w_gu, x.rstd),
+               lambda: torch.mm(x.h, x.w_gu.t())),
+        "F4": (fwd, "rstd_rope", lambda: s.gemm_rstd_rope(x.h, x.w_qkv, x.rstd, x.positions, **x.rope),
+               lambda: torch.mm(x.h, x.w_qkv.t())),
+        "LM": (fwd, "rstd_lse", lambda: s.gemm_rstd_lse(x.h, x.w_head, x.rstd, x.tokens),
+               lambda: torch.mm(x.h, x.w_head.t())),
+        "Bdswiglu": (bwd, "dswiglu", lambda: s.gemm_dswiglu(x.x, x.w_down, x.preact),
+                     lambda: torch.mm(x.x, x.w_down)),
+        "Brms_gu": (bwd, "rms_bwd", lambda: s.gemm_rms_bwd(x.preact, x.w_gu, *norm_bwd),
+                    lambda: torch.mm(x.preact, x.w_gu)),
+        "Brms_qkv": (bwd, "rms_bwd", lambda: s.gemm_rms_bwd(x.dqkv, x.w_qkv, *norm_bwd),
+                     lambda: torch.mm(x.dqkv, x.w_qkv)),
+        "Bce": (bwd, "ce_bwd",
+                lambda: s.gemm_rstd_ce_bwd(x.h[:rows], x.w_head, x.rstd[:rows], x.tokens[:rows], x.lse[:rows],
+                                           x.grad_scale),
+                lambda: torch.mm(x.h[:rows], x.w_head.t())),
     }
-    chosen = dict(gemm_stages.CONFIGS)
+    unknown = [stage for stage in stages if stage not in calls]
+    if unknown:
+        raise SystemExit(f"--sweep: unknown stage(s) {unknown}; known: {' '.join(calls)}")
     results = []
     for stage in stages or list(calls):
-        key, call = calls[stage]
+        configs, key, call, cublas = calls[stage]
+        chosen = configs[key]
+        (ms_cublas,) = median_ms([cublas], device, warmup=warmup, iters=iters)
+        print(f"sweep {stage:9s} {'cuBLAS GEMM alone':22s} {ms_cublas:8.3f} ms", flush=True)
+        results.append({"stage": stage, "config": "cuBLAS GEMM alone", "ms": ms_cublas})
         for label, config in candidates.items():
-            gemm_stages.CONFIGS[key] = config
+            configs[key] = config
             try:
                 (ms,) = median_ms([call], device, warmup=warmup, iters=iters)
             except Exception as exc:  # a config a kernel rejects is a result, not a crash
-                print(f"sweep {stage} {label:22s} failed: {type(exc).__name__}: {exc}"[:300])
+                print(f"sweep {stage:9s} {label:22s} failed: {type(exc).__name__}: {exc}"[:300])
                 continue
-            print(f"sweep {stage} {label:22s} {ms:8.3f} ms", flush=True)
+            mark = " (current)" if config == chosen else ""
+            print(f"sweep {stage:9s} {label:22s} {ms:8.3f} ms  {ms / ms_cublas:6.3f} x cuBLAS{mark}",
+                  flush=True)
             results.append({"stage": stage, "config": label, "ms": ms})
-        gemm_stages.CONFIGS[key] = chosen[key]
+        configs[key] = chosen
     return results
 
 
@@ -342,7 +376,8 @@ def main() -> None:
     p.add_argument("--attention", default="auto", help="attention for the layer rows: fa4 | sdpa | auto")
     p.add_argument("--compile", action="store_true", help="also time the torch.compile'd eager block")
     p.add_argument("--sweep", nargs="*", metavar="STAGE",
-                   help="time candidate GEMM configs of these cute stages (F1 F2 F3 F4 LM; none: all)")
+                   help="time candidate GEMM configs of these cute stages (F1 F2 F3 F4 LM Bdswiglu Brms_gu "
+                        "Brms_qkv Bce; none: all)")
     p.add_argument("--sections", nargs="+", default=["stages", "layer", "fwd_bwd"],
                    choices=["stages", "layer", "fwd_bwd"],
                    help="stages: every stage alone; layer: attention and the layer forward; "

@@ -37,7 +37,7 @@ class StepProfiler:
     def _write(self, prof: profile) -> None:
         os.makedirs(self.out_dir, exist_ok=True)
         sort_by = "self_device_time_total" if self.on_gpu else "self_cpu_time_total"
-        table = prof.key_averages().table(sort_by=sort_by, row_limit=40)
+        table = prof.key_averages().table(sort_by=sort_by, row_limit=60, max_name_column_width=110)
         with open(os.path.join(self.out_dir, f"summary_rank{self.rank}.txt"), "w") as f:
             f.write(table)
         prof.export_chrome_trace(os.path.join(self.out_dir, f"trace_rank{self.rank}.json"))
