@@ -9,8 +9,9 @@ a BackendUnavailableError that names the fix. The backend runs on sm_90 GPUs onl
 Every stage runs as a kernel:
 - forward: `entry` (entry.py), the GEMM + epilogue stages (gemm_stages.py) and the rstd reduction;
 - backward: the GEMM + epilogue stages (gemm_bwd_stages.py: RMSNorm backward, dSwiGLU, the
-  cross-entropy backward, plain dgrad/wgrad), the row-wise RoPE backward and row dot
-  (rowwise.py) and the embedding backward (entry.py).
+  cross-entropy backward, the LM head's fp32-accumulating wgrad), the row-wise RoPE backward and
+  row dot (rowwise.py) and the embedding backward (entry.py). Plain dgrad/wgrad GEMMs, with
+  nothing to fuse, are cuBLAS calls (faster than QuACK's untuned default at every layer shape).
 The epilogues QuACK's library lacks are in epilogues.py.
 """
 

@@ -1,7 +1,8 @@
-"""The GEMM stages of the CODA backward on QuACK's SM90 GEMM.
+"""The GEMM stages of the CODA backward on QuACK's SM90 GEMM, and the plain dgrad/wgrad GEMMs.
 
-Like the forward (gemm_stages.py), each stage is a torch custom op whose fake implementation only
-allocates the outputs, and whose real implementation launches one QuACK GEMM into them.
+Like the forward (gemm_stages.py), each fused stage is a torch custom op whose fake implementation
+only allocates the outputs, and whose real implementation launches one QuACK GEMM into them. The
+GEMMs with no epilogue to fuse (dgrad, wgrad) are cuBLAS calls.
 
 Operand orientation: QuACK's torch-facing calls take A (M, K) and B as a (K, N) view. A dgrad
 dz·W (W stored (N_out, K_in)) passes W itself as B; a wgrad dzᵀ·a passes the transposed view dzᵀ
@@ -15,22 +16,26 @@ import math
 import torch
 from quack.epilogue.library import dswiglu_dpreact_mod
 from quack.gemm_config import cta_tile_shape_m
-from quack.gemm_interface import gemm, gemm_add_inplace
+from quack.gemm_interface import gemm_add_inplace
 from torch import Tensor
 
 from codatrain.kernels.cute.epilogues import rms_bwd_epi, rms_bwd_residual_epi, rstd_ce_bwd_epi
 from codatrain.kernels.cute.gemm_stages import sm90_config
 from codatrain.kernels.cute.torch_op import stage_op
 
-# Tile configs. The RMSNorm-backward GEMMs have the forward F1/F3 shape (N = d, long K) and the
-# same four-tensor epilogue traffic, so they take F1/F3's config; dSwiGLU and the CE backward
-# take the one of the forward GEMM over the same weight (F2, LM head). Module constants: QuACK
-# keys its launch cache on the config object's identity.
+# Tile configs, the fastest of `scripts/bench_block.py --sweep Bdswiglu Brms_gu Brms_qkv Bce` on
+# an H200 at Llama-3.2-1B (M = 32768) and Llama-3-8B (M = 16384) widths, where both agree
+# (docs/benchmarks.md). dSwiGLU's epilogue reads the pre-activation and writes two tensors per
+# output element of a short (K = d) mainloop; 128×128 tiles hide that traffic behind the next
+# tile's mainloop far better than 192×128 (1.14 against 1.78 × the GEMM alone at 1B widths).
+# The RMSNorm backward's largest instance (the gate/up dgrad, K = 2F) is fastest at 192×128.
+# Module constants: QuACK keys its launch cache on the config object's identity.
 _PINGPONG_128x192 = sm90_config(128, 192, pingpong=True, cluster_m=2, cluster_n=1)
 _PINGPONG_192x128 = sm90_config(192, 128, pingpong=True, cluster_m=1, cluster_n=2)
+_PINGPONG_128x128 = sm90_config(128, 128, pingpong=True, cluster_m=1, cluster_n=2)
 CONFIGS = {
-    "rms_bwd": _PINGPONG_128x192,
-    "dswiglu": _PINGPONG_192x128,
+    "rms_bwd": _PINGPONG_192x128,
+    "dswiglu": _PINGPONG_128x128,
     "ce_bwd": _PINGPONG_128x192,
 }
 
@@ -170,30 +175,20 @@ def gemm_rstd_ce_bwd(
 
 
 # ---- plain dgrad and wgrad ----------------------------------------------------------------------
+# A GEMM with nothing to fuse goes to cuBLAS: at every shape of the layer it is faster than QuACK's
+# default config (untuned, since autotuning has no place in a training step), by up to 1.6× on
+# the out-projection's wgrad, whose small (d × d) output underfills the GPU without split-K
+# (docs/benchmarks.md, the "B ... wgrad" rows of scripts/bench_block.py).
 
 
-def _dgrad_fake(dz, weight):
-    return _empty(dz.shape[0], weight.shape[1], like=dz)
-
-
-@stage_op("cute_dgrad", _dgrad_fake)
 def dgrad(dz: Tensor, weight: Tensor) -> Tensor:
     """dz (M, N) · W (N, K) → (M, K)."""
-    out = _empty(dz.shape[0], weight.shape[1], like=dz)
-    gemm(dz, weight, out=out, tuned=False)
-    return out
+    return torch.mm(dz, weight)
 
 
-def _wgrad_fake(dz, a):
-    return _empty(dz.shape[1], a.shape[1], like=dz)
-
-
-@stage_op("cute_wgrad", _wgrad_fake)
 def wgrad(dz: Tensor, a: Tensor) -> Tensor:
     """dzᵀ (N, M) · a (M, K) → (N, K), contracting over the tokens."""
-    out = _empty(dz.shape[1], a.shape[1], like=dz)
-    gemm(dz.t(), a, out=out, tuned=False)
-    return out
+    return torch.mm(dz.t(), a)
 
 
 def _wgrad_accumulate_fake(dz, a, out):

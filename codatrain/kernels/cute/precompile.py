@@ -198,8 +198,6 @@ def backward_kernels(s: KernelShapes) -> list[KernelSpec]:
                 _act(m, 2 * f), _act(2 * f, d), _act(m, d), _act(d), _stat(m), _stat(m), _act(m, d)
             ),
         ),
-        KernelSpec("out-proj dgrad", lambda: st.dgrad(_act(m, d), _act(d, _q_dim(s)))),
-        KernelSpec("wgrad", lambda: st.wgrad(_act(m, d), _act(m, _q_dim(s)))),
         # rope_bwd and row_dot launch the same row-wise kernel, with and without the rotation.
         KernelSpec("RoPE backward + ZdZ", lambda: rowwise.compile_row_dot(_cute(ACT), _qkv_dim(s), True)),
         KernelSpec(
