@@ -15,7 +15,7 @@ import math
 
 import torch
 from quack.epilogue.library import dswiglu_dpreact_mod
-from quack.gemm_config import GemmConfig, cta_tile_shape_m
+from quack.gemm_config import cta_tile_shape_m
 from quack.gemm_interface import gemm_add_inplace
 from torch import Tensor
 
@@ -28,16 +28,13 @@ from codatrain.kernels.cute.torch_op import stage_op
 # (docs/benchmarks.md). dSwiGLU's epilogue reads the pre-activation and writes two tensors per
 # output element of a short (K = d) mainloop; 128×128 tiles hide that traffic behind the next
 # tile's mainloop far better than 192×128 (1.14 against 1.78 × the GEMM alone at 1B widths).
-# The RMSNorm backward with the residual gradient (the gate/up dgrad, K = 2F, and the QKV dgrad)
-# is fastest at 192×128; the final norm's, in the LM-head dgrad (K = V, a 4096-row chunk), at
-# 128×192 (3.16 against 3.49 ms at 1B widths in end-to-end profiles).
+# The RMSNorm backward's largest instance (the gate/up dgrad, K = 2F) is fastest at 192×128.
 # Module constants: QuACK keys its launch cache on the config object's identity.
 _PINGPONG_128x192 = sm90_config(128, 192, pingpong=True, cluster_m=2, cluster_n=1)
 _PINGPONG_192x128 = sm90_config(192, 128, pingpong=True, cluster_m=1, cluster_n=2)
 _PINGPONG_128x128 = sm90_config(128, 128, pingpong=True, cluster_m=1, cluster_n=2)
 CONFIGS = {
     "rms_bwd": _PINGPONG_192x128,
-    "rms_bwd_final": _PINGPONG_128x192,
     "dswiglu": _PINGPONG_128x128,
     "ce_bwd": _PINGPONG_128x192,
 }
@@ -57,19 +54,15 @@ def _aligned(vector: Tensor) -> Tensor:
 # ---- RMSNorm backward in the consumer's dgrad ----------------------------------------------------
 
 
-def _rms_bwd_config(residual: bool) -> GemmConfig:
-    return CONFIGS["rms_bwd" if residual else "rms_bwd_final"]
-
-
-def _rms_bwd_outputs(x: Tensor, residual: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _rms_bwd_outputs(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     m, d = x.shape
-    cfg = _rms_bwd_config(residual)
+    cfg = CONFIGS["rms_bwd"]
     tiles = math.ceil(m / cta_tile_shape_m(cfg.tile_m, cfg.cluster_m, cfg.device_capacity))
     return _empty(m, d, like=x), _empty(m, d, like=x), _empty(tiles, d, like=x, dtype=torch.float32)
 
 
 def _rms_bwd_fake(dz, weight, x, gamma, rstd, zdz, residual_grad):
-    return _rms_bwd_outputs(x, residual_grad is not None)
+    return _rms_bwd_outputs(x)
 
 
 @stage_op("cute_gemm_rms_bwd", _rms_bwd_fake)
@@ -77,9 +70,8 @@ def _gemm_rms_bwd(
     dz: Tensor, weight: Tensor, x: Tensor, gamma: Tensor, rstd: Tensor, zdz: Tensor,
     residual_grad: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    residual = residual_grad is not None
-    dx, n, dgamma_partials = _rms_bwd_outputs(x, residual)
-    epilogue = rms_bwd_residual_epi if residual else rms_bwd_epi
+    dx, n, dgamma_partials = _rms_bwd_outputs(x)
+    epilogue = rms_bwd_epi if residual_grad is None else rms_bwd_residual_epi
     # Passing the dgamma buffer makes QuACK leave the per-row-tile partials as they are; the
     # model sums them (with the other chunks' partials, for the LM head).
     epilogue(
@@ -87,7 +79,7 @@ def _gemm_rms_bwd(
         weight,
         residual_grad,
         out={"D": dx, "n": n},
-        config=_rms_bwd_config(residual),
+        config=CONFIGS["rms_bwd"],
         tuned=False,
         x=x,
         gamma=_aligned(gamma),
