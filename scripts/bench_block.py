@@ -334,6 +334,10 @@ def sweep(x: Inputs, device: torch.device, stages: list[str], warmup: int, iters
                     lambda: torch.mm(x.preact, x.w_gu)),
         "Brms_qkv": (bwd, "rms_bwd", lambda: s.gemm_rms_bwd(x.dqkv, x.w_qkv, *norm_bwd),
                      lambda: torch.mm(x.dqkv, x.w_qkv)),
+        "Brms_final": (bwd, "rms_bwd",
+                       lambda: s.gemm_rms_bwd(x.dlogits, x.w_head, x.x[:rows], x.gamma, x.rstd[:rows],
+                                              x.zdz[:rows]),
+                       lambda: torch.mm(x.dlogits, x.w_head)),
         "Bce": (bwd, "ce_bwd",
                 lambda: s.gemm_rstd_ce_bwd(x.h[:rows], x.w_head, x.rstd[:rows], x.tokens[:rows], x.lse[:rows],
                                            x.grad_scale),
@@ -377,7 +381,7 @@ def main() -> None:
     p.add_argument("--compile", action="store_true", help="also time the torch.compile'd eager block")
     p.add_argument("--sweep", nargs="*", metavar="STAGE",
                    help="time candidate GEMM configs of these cute stages (F1 F2 F3 F4 LM Bdswiglu Brms_gu "
-                        "Brms_qkv Bce; none: all)")
+                        "Brms_qkv Brms_final Bce; none: all)")
     p.add_argument("--sections", nargs="+", default=["stages", "layer", "fwd_bwd"],
                    choices=["stages", "layer", "fwd_bwd"],
                    help="stages: every stage alone; layer: attention and the layer forward; "
