@@ -4,14 +4,16 @@ torchrun) for several block variants of one model, each in its own torchrun job,
     python scripts/bench_train.py --variants eager,compile,coda --steps 30 --warmup 10 \
         --plot runs/bench_train/bench.png \
         -- model=llama3_1b data=synthetic data.seq_len=8192 train.micro_batch_size=4
-    python scripts/bench_train.py --replot runs/bench_train/bench_train.json --plot bench.png
+    python scripts/bench_train.py --replot runs/a/bench_train.json:eager runs/b/bench_train.json \
+        --plot bench.png
 
 Everything after `--` is passed to scripts/train.py for every variant. Each variant's per-step
 records (metrics.jsonl) are read back; the first `--warmup` steps are excluded and the medians of
 the rest are reported: time per step, tokens/s and TFLOP/s per device, MFU, peak memory and the
 resident model state (parameters + optimizer state, allocated between steps), whose difference is
 what a step needs for activations, gradients and temporaries. Writes <out>/bench_train.json and
-prints a table; `--replot` redraws the chart and the table from such a JSON. `--profile N`
+prints a table; `--replot` redraws the chart and the table from such JSONs (`FILE:a,b` takes the
+variants a and b of FILE; a variant in a later file replaces one of the same name). `--profile N`
 profiles N more steps after the timed ones (a torch.profiler summary per variant, named in the
 JSON).
 """
@@ -92,7 +94,8 @@ def summarize(result: dict, warmup: int) -> dict:
 
 
 def plot(path: Path, summaries: list[dict], title: str) -> None:
-    """Bars of tokens/s, MFU and peak memory per variant, and the loss curves, into one PNG."""
+    """Bars of tokens/s, MFU and peak memory per variant, the loss curves and each variant's loss
+    minus the first variant's (the same seed, data and initial weights), into one PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -100,7 +103,7 @@ def plot(path: Path, summaries: list[dict], title: str) -> None:
 
     ok = [s for s in summaries if "error" not in s]
     names = [s["variant"] for s in ok]
-    fig, axes = plt.subplots(1, 4, figsize=(18, 4.5))
+    fig, axes = plt.subplots(1, 5, figsize=(22, 4.5))
     bars = [("tokens/s per device", [s["tokens_per_s_per_device"] for s in ok]),
             ("MFU (%)", [None if s["mfu"] is None else 100 * s["mfu"] for s in ok]),
             ("peak memory (GiB)", [s["peak_memory_gib"] for s in ok])]
@@ -117,13 +120,20 @@ def plot(path: Path, summaries: list[dict], title: str) -> None:
     if all(v is not None for v in state):
         axes[2].bar(names, state, color="none", edgecolor="black", hatch="//", label="model state")
         axes[2].legend(loc="upper right")
-    for i, s in enumerate(ok):
-        steps = sorted(s["losses"], key=int)  # int keys, or str keys after a JSON round trip
-        losses = [s["losses"][k] for k in steps]
-        axes[3].plot([int(k) for k in steps], losses, color=f"C{i}", label=s["variant"])
+    # int keys, or str keys after a JSON round trip
+    curves = [{int(k): v for k, v in s["losses"].items()} for s in ok]
+    for i, (name, curve) in enumerate(zip(names, curves, strict=True)):
+        steps = sorted(curve)
+        axes[3].plot(steps, [curve[k] for k in steps], color=f"C{i}", label=name)
+        if i:
+            common = [k for k in steps if k in curves[0]]
+            axes[4].plot(common, [curve[k] - curves[0][k] for k in common], color=f"C{i}", label=name)
     axes[3].set_title("training loss")
-    axes[3].set_xlabel("step")
-    axes[3].legend()
+    axes[4].set_title(f"loss − {names[0]} loss" if names else "loss difference")
+    axes[4].axhline(0.0, color="black", linewidth=0.5)
+    for ax in axes[3:]:
+        ax.set_xlabel("step")
+        ax.legend()
     fig.suptitle(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -162,6 +172,24 @@ def print_table(summaries: list[dict]) -> None:
               f"{ratio:>12}")
 
 
+def merge_reports(sources: list[str]) -> dict:
+    """One report from `FILE[:variant,...]` sources, in order: the first file's settings, every
+    file's date, and the chosen variants (all by default), a later one replacing a namesake."""
+    report, variants, dates = None, {}, []
+    for source in sources:
+        path, _, chosen = source.partition(":")
+        loaded = json.loads(Path(path).read_text())
+        names = chosen.split(",") if chosen else [v["variant"] for v in loaded["variants"]]
+        available = {v["variant"]: v for v in loaded["variants"]}
+        missing = [n for n in names if n not in available]
+        if missing:
+            raise ValueError(f"{path} has no variant(s) {missing}; it has {', '.join(available)}")
+        variants.update((n, available[n]) for n in names)
+        dates.append(loaded["date"])
+        report = report or loaded
+    return {**report, "date": ", ".join(dict.fromkeys(dates)), "variants": list(variants.values())}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -174,16 +202,16 @@ def main() -> None:
                         help="after the timed steps, profile this many more (<out>/<variant>/profile/)")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "bench_train")
     parser.add_argument("--plot", type=Path, help="also draw the results into this PNG")
-    parser.add_argument("--replot", type=Path, metavar="JSON",
-                        help="run nothing: redraw --plot and the table from this bench_train.json")
+    parser.add_argument("--replot", nargs="+", metavar="JSON[:VARIANTS]",
+                        help="run nothing: redraw --plot and the table from these bench_train.json files")
     parser.add_argument("overrides", nargs="*", help="scripts/train.py overrides (after --)")
     args = parser.parse_args()
 
     if args.replot:
         try:
-            report = json.loads(args.replot.read_text())
+            report = merge_reports(args.replot)
         except (OSError, ValueError) as error:
-            parser.error(f"--replot {args.replot}: {error}")
+            parser.error(f"--replot: {error}")
     else:
         names = args.variants.split(",")
         unknown = [n for n in names if n not in VARIANTS]
