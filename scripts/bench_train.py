@@ -40,29 +40,39 @@ VARIANTS = {
 }
 
 
-def run_variant(name: str, overrides: list[str], steps: int, out: Path, nproc: int, profile: int) -> dict:
-    run_dir = out / name
+def train_job(nproc: int, overrides: list[str], run_dir: Path) -> int:
+    """scripts/train.py under torchrun with `nproc` processes, every step logged to
+    <run_dir>/metrics.jsonl (started afresh); returns the exit code. Of two values for one key,
+    the later override wins."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    metrics = run_dir / "metrics.jsonl"
-    metrics.unlink(missing_ok=True)
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     # torchrun even for one process: FSDP2 (bf16 compute, fp32 master weights) as in real runs.
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    # Profiled steps (and the profiler's warm-up step) come after the timed ones.
-    total_steps = steps + profile + 1 if profile else steps
     cmd = [
-        *launcher, str(REPO / "scripts" / "train.py"), *VARIANTS[name], *overrides,
-        f"train.steps={total_steps}", f"train.profile_steps={profile}", f"train.profile_skip={steps}",
-        "train.log_every=1", "train.val_every=0", "train.progress=false",
-        "checkpoint.at_end=false", "checkpoint.resume=none", f"train.run_dir={run_dir}",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        str(REPO / "scripts" / "train.py"), *overrides,
+        "train.log_every=1", "train.val_every=0", "train.progress=false", f"train.run_dir={run_dir}",
     ]
     print("+", " ".join(cmd), flush=True)
-    proc = subprocess.run(cmd, cwd=REPO, env=os.environ.copy())
-    if proc.returncode != 0:
-        return {"variant": name, "error": f"exit code {proc.returncode}"}
-    with open(metrics) as f:
-        records = [json.loads(line) for line in f]
+    return subprocess.run(cmd, cwd=REPO, env=os.environ.copy()).returncode
+
+
+def read_records(run_dir: Path) -> list[dict]:
+    with open(run_dir / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def run_variant(name: str, overrides: list[str], steps: int, run_dir: Path, nproc: int, profile: int) -> dict:
+    """`steps` timed training steps of variant `name` (then `profile` profiled ones) into run_dir."""
+    # Profiled steps (and the profiler's warm-up step) come after the timed ones.
+    total_steps = steps + profile + 1 if profile else steps
+    code = train_job(nproc, [
+        *VARIANTS[name], *overrides, f"train.steps={total_steps}", f"train.profile_steps={profile}",
+        f"train.profile_skip={steps}", "checkpoint.at_end=false", "checkpoint.resume=none",
+    ], run_dir)
+    if code != 0:
+        return {"variant": name, "error": f"exit code {code}"}
     profile_summary = run_dir / "profile" / "summary_rank0.txt"
-    return {"variant": name, "records": [r for r in records if r["step"] <= steps],
+    return {"variant": name, "records": [r for r in read_records(run_dir) if r["step"] <= steps],
             "profile": str(profile_summary) if profile_summary.exists() else None}
 
 
@@ -220,7 +230,7 @@ def main() -> None:
         if args.warmup >= args.steps:
             parser.error("--warmup must be smaller than --steps")
         summaries = [
-            summarize(run_variant(n, args.overrides, args.steps, args.out, args.nproc, args.profile),
+            summarize(run_variant(n, args.overrides, args.steps, args.out / n, args.nproc, args.profile),
                       args.warmup)
             for n in names
         ]

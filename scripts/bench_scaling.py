@@ -1,0 +1,240 @@
+"""Data-parallel scaling on N processes (GPUs) and its correctness checks, for each block variant.
+
+    NCCL_NVLS_ENABLE=0 python scripts/bench_scaling.py --nproc 2 --variants compile,coda \\
+        --steps 200 --out runs/scaling --plot runs/scaling/loss.png \\
+        -- model=llama3_1b data=synthetic data.seq_len=8192 train.micro_batch_size=4
+
+Everything after `--` goes to scripts/train.py. Per variant (scripts/bench_train.py's variants),
+five jobs under torchrun, each in <out>/<variant>/<leg>/:
+- throughput_1, throughput_N: `--throughput-steps` steps at the given micro-batch on 1 and on N
+  processes (medians after `--warmup`, as bench_train reports them). Check: tokens/s per device on
+  N processes ≥ `--min-efficiency` × the 1-process figure.
+- loss_1, loss_N: `--steps` steps at the same global batch, N × micro-batch sequences (one process
+  accumulates N micro-batches; N processes take one each). loss_N saves a checkpoint halfway.
+  Check: the loss curves agree — the first step's losses (same weights, same batch) within
+  `--first-step-rtol`, and the means over windows of `--window` steps within `--tolerance` nats.
+- resume_1: one process resumes loss_N's halfway checkpoint (DCP reshards N → 1) and trains on to
+  `--steps`. Check: the same two criteria against loss_N over the resumed steps.
+
+A leg whose metrics already reach its last step is not run again, so calling the command again
+after an interruption (a time limit, say) continues where it stopped; `--fresh` reruns all. With
+`--nproc 1` every leg runs on one process: a smoke test of the script. Writes
+<out>/bench_scaling.json, prints a table and exits with status 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # runs from a checkout without `pip install -e .`
+
+from bench_train import VARIANTS, read_records, run_variant, software_versions, summarize, train_job  # noqa: E402
+from compare_training import windowed  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from codatrain.config import load_config, validate  # noqa: E402
+
+CHECKS = ("throughput", "parity", "resume")
+
+
+def complete(run_dir: Path, last_step: int) -> bool:
+    metrics = run_dir / "metrics.jsonl"
+    return metrics.exists() and any(r["step"] == last_step for r in read_records(run_dir))
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_records(run_dir) if "loss" in r}
+
+
+def agreement(reference: dict[int, float], other: dict[int, float], window: int) -> dict:
+    """How closely `other` follows `reference` over the steps both logged."""
+    steps = sorted(set(reference) & set(other))
+    first = steps[0]
+    wa = windowed({s: reference[s] for s in steps}, window)
+    wb = windowed({s: other[s] for s in steps}, window)
+    window_diffs = [wb[s] - wa[s] for s in wa]
+    return {
+        "steps": [first, steps[-1]],
+        "first_step": first,
+        "first_step_rel_diff": abs(other[first] - reference[first]) / abs(reference[first]),
+        "max_step_abs_diff": max(abs(other[s] - reference[s]) for s in steps),
+        "max_window_abs_diff": max(map(abs, window_diffs)) if window_diffs else None,
+    }
+
+
+def check_agreement(result: dict, first_step_rtol: float, tolerance: float) -> bool:
+    windows_ok = result["max_window_abs_diff"] is None or result["max_window_abs_diff"] <= tolerance
+    result["ok"] = result["first_step_rel_diff"] <= first_step_rtol and windows_ok
+    return result["ok"]
+
+
+def run_leg(run_dir: Path, last_step: int, fresh: bool, job) -> str | None:
+    """Run `job()` into run_dir unless an earlier call completed it; returns an error or None."""
+    if not fresh and complete(run_dir, last_step):
+        print(f"= {run_dir}: complete, not run again", flush=True)
+        return None
+    shutil.rmtree(run_dir, ignore_errors=True)  # a partial run (and its checkpoints) starts over
+    return job()
+
+
+def scale_variant(name: str, args: argparse.Namespace, micro_batch: int, seq_len: int) -> dict:
+    n, out = args.nproc, args.out / name
+    result: dict = {"variant": name}
+
+    # Throughput at the given micro-batch: per-device tokens/s on N processes against 1.
+    rates = {}
+    for procs in (1, n):
+        leg = out / f"throughput_{procs}"
+        error = run_leg(leg, args.throughput_steps, args.fresh, lambda leg=leg, procs=procs: run_variant(
+            name, args.overrides, args.throughput_steps, leg, procs, 0).get("error"))
+        if error:
+            return {**result, "error": f"{leg.name}: {error}"}
+        records = {"variant": name, "records": read_records(leg), "profile": None}
+        rates[procs] = summarize(records, args.warmup)
+    efficiency = rates[n]["tokens_per_s_per_device"] / rates[1]["tokens_per_s_per_device"]
+    result["throughput"] = {
+        "tokens_per_s_per_device": {str(p): rates[p]["tokens_per_s_per_device"] for p in rates},
+        "mfu": {str(p): rates[p]["mfu"] for p in rates},
+        "peak_memory_gib": {str(p): rates[p]["peak_memory_gib"] for p in rates},
+        "efficiency": efficiency, "ok": efficiency >= args.min_efficiency,
+    }
+
+    # Loss curves at one global batch on 1 and N processes; N saves halfway; 1 resumes from it.
+    half = args.steps // 2
+    batch = [*VARIANTS[name], *args.overrides, f"train.tokens_per_step={n * micro_batch * seq_len}",
+             f"train.steps={args.steps}", "checkpoint.at_end=false"]
+    jobs = {
+        "loss_1": (1, [*batch, "checkpoint.resume=none"]),
+        f"loss_{n}": (n, [*batch, "checkpoint.resume=none", f"checkpoint.every={half}",
+                          "checkpoint.keep_last=0"]),
+        "resume_1": (1, [*batch, f"checkpoint.resume={out / f'loss_{n}' / 'checkpoints' / f'step_{half}'}"]),
+    }
+    for leg_name, (procs, overrides) in jobs.items():
+        leg = out / leg_name
+        error = run_leg(leg, args.steps, args.fresh, lambda leg=leg, procs=procs, overrides=overrides: (
+            None if train_job(procs, overrides, leg) == 0 else "training failed"))
+        if error:
+            return {**result, "error": f"{leg_name}: {error}"}
+    curves = {leg: losses(out / leg) for leg in jobs}
+    result["losses"] = curves
+    result["parity"] = agreement(curves["loss_1"], curves[f"loss_{n}"], args.window)
+    result["resume"] = agreement(curves[f"loss_{n}"], curves["resume_1"], args.window)
+    for check in ("parity", "resume"):
+        check_agreement(result[check], args.first_step_rtol, args.tolerance)
+    return result
+
+
+def plot(path: Path, results: list[dict], nproc: int, window: int, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results if "error" not in r]
+    fig, axes = plt.subplots(2, max(len(ok), 1), figsize=(7 * max(len(ok), 1), 7), squeeze=False,
+                             sharex="col", height_ratios=(3, 2))
+    for col, r in enumerate(ok):
+        top, bottom = axes[0][col], axes[1][col]
+        labels = {"loss_1": "1 process", f"loss_{nproc}": f"{nproc} processes",
+                  "resume_1": f"1 process, resumed from the {nproc}-process checkpoint"}
+        reference = {int(k): v for k, v in r["losses"][f"loss_{nproc}"].items()}
+        for i, (leg, label) in enumerate(labels.items()):
+            curve = {int(k): v for k, v in r["losses"][leg].items()}
+            steps = sorted(curve)
+            top.plot(steps, [curve[s] for s in steps], color=f"C{i}", label=label, linewidth=1)
+            if leg != f"loss_{nproc}":
+                wa = windowed({s: reference[s] for s in steps if s in reference}, window)
+                wb = windowed({s: curve[s] for s in steps if s in reference}, window)
+                bottom.plot(list(wa), [wb[s] - wa[s] for s in wa], color=f"C{i}", marker="o", label=label)
+        top.set_title(f"{r['variant']}: training loss, one global batch")
+        top.legend()
+        bottom.axhline(0, color="gray", linewidth=0.8)
+        bottom.set_ylabel(f"{window}-step mean − {nproc}-process run")
+        bottom.set_xlabel("step")
+        bottom.legend()
+    fig.suptitle(textwrap.fill(title, 80 * max(len(ok), 1)))
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+def print_table(results: list[dict], nproc: int) -> None:
+    print(f"\n{'variant':<14}{'tok/s/dev 1':>13}{f'tok/s/dev {nproc}':>13}{'efficiency':>12}"
+          f"{'parity Δwin':>13}{'resume Δwin':>13}{'resume Δ1st':>13}  checks")
+    for r in results:
+        if "error" in r:
+            print(f"{r['variant']:<14}  {r['error']}")
+            continue
+        t, p, s = r["throughput"], r["parity"], r["resume"]
+        rates = t["tokens_per_s_per_device"]
+        verdict = ", ".join(f"{k} {'ok' if r[k]['ok'] else 'FAILED'}" for k in CHECKS)
+        window = lambda a: "-" if a["max_window_abs_diff"] is None else f"{a['max_window_abs_diff']:.1e}"
+        print(f"{r['variant']:<14}{rates['1']:>13,.0f}{rates[str(nproc)]:>13,.0f}{t['efficiency']:>12.3f}"
+              f"{window(p):>13}{window(s):>13}{s['first_step_rel_diff']:>13.1e}  {verdict}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=2, help="processes (GPUs) of the data-parallel runs")
+    p.add_argument("--variants", default="compile,coda", help=f"any of {', '.join(VARIANTS)}")
+    p.add_argument("--steps", type=int, default=200, help="steps of the loss-curve runs (even)")
+    p.add_argument("--throughput-steps", type=int, default=25)
+    p.add_argument("--warmup", type=int, default=10, help="throughput steps excluded from the medians")
+    p.add_argument("--window", type=int, default=20, help="steps per window of the loss comparison")
+    p.add_argument("--tolerance", type=float, default=0.05, help="largest windowed mean loss difference")
+    p.add_argument("--first-step-rtol", type=float, default=1e-3,
+                   help="largest relative loss difference at the first compared step")
+    p.add_argument("--min-efficiency", type=float, default=0.9,
+                   help="per-device tokens/s on N processes over 1, at least")
+    p.add_argument("--out", type=Path, default=REPO / "runs" / "scaling")
+    p.add_argument("--plot", type=Path, help="draw the loss curves and their differences into this PNG")
+    p.add_argument("--fresh", action="store_true", help="rerun legs that an earlier call completed")
+    p.add_argument("overrides", nargs="*", help="scripts/train.py overrides (after --)")
+    args = p.parse_args()
+    names = args.variants.split(",")
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}")
+    if args.steps < 2 or args.steps % 2:
+        p.error("--steps must be even (the N-process run saves its checkpoint halfway)")
+    if args.warmup >= args.throughput_steps:
+        p.error("--warmup must be smaller than --throughput-steps")
+    if args.nproc < 1:
+        p.error("--nproc must be at least 1")
+    if any(o.split("=")[0].lstrip("+~") in ("train.tokens_per_step", "train.run_dir")
+           for o in args.overrides):
+        p.error("train.tokens_per_step and train.run_dir are set per leg by this script")
+    try:
+        cfg = load_config(args.overrides)
+        validate(cfg)
+    except Exception as error:  # a bad override: one line naming it, before any job starts
+        p.error(f"overrides: {error}")
+    run = OmegaConf.to_object(cfg)
+
+    results = [scale_variant(v, args, run.train.micro_batch_size, run.data.seq_len) for v in names]
+    report = {"nproc": args.nproc, "overrides": args.overrides, "steps": args.steps,
+              "throughput_steps": args.throughput_steps, "warmup": args.warmup, "window": args.window,
+              "tolerance": args.tolerance, "first_step_rtol": args.first_step_rtol,
+              "min_efficiency": args.min_efficiency, "date": time.strftime("%Y-%m-%d"),
+              "software": software_versions(), "variants": results}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_scaling.json").write_text(json.dumps(report, indent=2))
+    if args.plot:
+        gpu = report["software"]["gpu"] or "CPU"
+        plot(args.plot, results, args.nproc, args.window,
+             f"{gpu} × {args.nproc} vs 1, {report['date']}: {' '.join(args.overrides)}")
+    print_table(results, args.nproc)
+    passed = all("error" not in r and all(r[k]["ok"] for k in CHECKS) for r in results)
+    sys.exit(0 if passed else 1)
+
+
+if __name__ == "__main__":
+    main()
