@@ -23,12 +23,13 @@ from codatrain.kernels.cute.epilogues import rms_bwd_epi, rms_bwd_residual_epi, 
 from codatrain.kernels.cute.gemm_stages import sm90_config
 from codatrain.kernels.cute.torch_op import stage_op
 
-# Tile configs, the fastest of `scripts/bench_block.py --sweep Bdswiglu Brms_gu Brms_qkv Bce` on
-# an H200 at Llama-3.2-1B (M = 32768) and Llama-3-8B (M = 16384) widths, where both agree
-# (docs/benchmarks.md). dSwiGLU's epilogue reads the pre-activation and writes two tensors per
-# output element of a short (K = d) mainloop; 128×128 tiles hide that traffic behind the next
-# tile's mainloop far better than 192×128 (1.14 against 1.78 × the GEMM alone at 1B widths).
-# The RMSNorm backward's largest instance (the gate/up dgrad, K = 2F) is fastest at 192×128.
+# Tile configs from `scripts/bench_block.py --sweep Bdswiglu Brms_gu Brms_qkv Bce` on an H200 at
+# Llama-3.2-1B (M = 32768) and Llama-3-8B (M = 16384) widths (docs/benchmarks.md). dSwiGLU's
+# epilogue reads the pre-activation and writes two tensors per output element of a short (K = d)
+# mainloop; 128×128 tiles hide that traffic behind the next tile's mainloop far better than
+# 192×128 (1.14 against 1.78 × the GEMM alone at 1B widths).
+# The RMSNorm backward's largest instance (the gate/up dgrad, K = 2F) is fastest at 192×128 at
+# both widths; the smaller QKV dgrad is equal there at 1B and 6% slower at 8B.
 # Module constants: QuACK keys its launch cache on the config object's identity.
 _PINGPONG_128x192 = sm90_config(128, 192, pingpong=True, cluster_m=2, cluster_n=1)
 _PINGPONG_192x128 = sm90_config(192, 128, pingpong=True, cluster_m=1, cluster_n=2)
