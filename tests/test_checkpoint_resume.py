@@ -137,10 +137,15 @@ def test_hf_exports_during_training_and_init_from_finetuning(tmp_path):
 
 @pytest.mark.slow
 def test_resume_from_two_processes_onto_one(tmp_path, run_torchrun):
-    run_torchrun(2, [*FAST, f"train.run_dir={tmp_path / 'two'}", "checkpoint.every=4"])
+    # Validation on, as in the README's torchrun command: each save follows an evaluation forward,
+    # which left FSDP2's root unsharded and lost the run (KeyError in get_optimizer_state_dict).
+    with_validation = [o for o in FAST if not o.startswith("train.val_every=")] + ["train.val_every=4"]
+    proc = run_torchrun(2, [*with_validation, f"train.run_dir={tmp_path / 'two'}", "checkpoint.every=4"])
+    assert "step 4/8 | val loss" in proc.stdout + proc.stderr
     two = read_losses(tmp_path / "two")
     step_4 = tmp_path / "two/checkpoints/step_4"
     assert inspect_checkpoint(step_4)["world_size"] == 2
+    assert inspect_checkpoint(tmp_path / "two/checkpoints/step_8")["world_size"] == 2
     one = run(tmp_path / "one", f"checkpoint.resume={step_4}")
     assert sorted(one.losses) == list(range(5, STEPS + 1))
     # The same windows per step (the data position is global); only the order of gradient sums

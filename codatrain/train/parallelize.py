@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
 def _replace_block(model: nn.Module, block: nn.Module, new: nn.Module) -> None:
@@ -51,3 +51,15 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: bool) -> Non
         # The last block's parameters are needed right away by backward: keep them unsharded.
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(blocks) - 1)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def reshard_after_eval(model: nn.Module) -> None:
+    """Reshard what a forward without backward left unsharded.
+
+    FSDP2 keeps the root's parameters (and the last block's, see `apply_fsdp`) unsharded after
+    forward because backward needs them at once; a `no_grad` evaluation has no backward to reshard
+    them, and a checkpoint saved next would see plain tensors among the DTensors.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

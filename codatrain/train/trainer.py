@@ -39,6 +39,7 @@ from codatrain.train.parallelize import (
     apply_compile,
     apply_fsdp,
     data_parallel_mesh,
+    reshard_after_eval,
 )
 from codatrain.train.profiling import StepProfiler
 
@@ -160,6 +161,7 @@ class Trainer:
             with self._autocast():
                 total += self.model(batch.inputs, batch.targets)
             count += 1
+        reshard_after_eval(self.model)
         return all_reduce_mean(total / count).item()
 
     def validation_due(self) -> bool:
