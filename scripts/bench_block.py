@@ -31,20 +31,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from codatrain.kernels.stages import StageBackend, get_backend  # noqa: E402
-from codatrain.model.attention import get_attention  # noqa: E402
-from codatrain.model.coda import CodaLayer, _Step, default_head_chunk_rows  # noqa: E402
-from codatrain.model.config import LlamaConfig, get_preset  # noqa: E402
-from codatrain.model.llama import Block, rope_cos_sin  # noqa: E402
+from codatrain.kernels.attention import get_attention
+from codatrain.kernels.resolve import resolve_block
+from codatrain.kernels.stages import StageBackend, get_backend
+from codatrain.model.coda import CodaLayer, ForwardStep
+from codatrain.model.config import LlamaConfig, get_preset
+from codatrain.model.llama import Block, rope_cos_sin
 
 EPS = 1e-5
 
@@ -83,7 +81,10 @@ class Inputs:
     """Random bf16 operands at the widths of `cfg` with M = `tokens` rows (weights scaled so that
     GEMM outputs are O(1), as in a trained model)."""
 
-    def __init__(self, cfg: LlamaConfig, tokens: int, seq_len: int, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self, cfg: LlamaConfig, tokens: int, seq_len: int, device: torch.device, dtype: torch.dtype,
+        head_chunk_rows: int,
+    ):
         self.cfg, self.m, self.seq_len, self.batch = cfg, tokens, seq_len, tokens // seq_len
         d, f, attn = cfg.dim, cfg.ffn_dim, cfg.n_heads * cfg.head_dim
 
@@ -112,8 +113,8 @@ class Inputs:
         self.dqkv = randn(tokens, cfg.qkv_dim)
         self.preact = randn(tokens, 2 * f)
         self.zdz = torch.randn(tokens, device=device)
-        # One LM-head backward chunk, as the CODA model cuts it (codatrain.model.coda).
-        self.head_rows = min(tokens, default_head_chunk_rows(cfg.vocab_size))
+        # One LM-head backward chunk, as the CODA model cuts it (StageBackend.head_chunk_rows).
+        self.head_rows = min(tokens, head_chunk_rows)
         self.dlogits = randn(self.head_rows, cfg.vocab_size)
         self.dw_head = torch.zeros(cfg.vocab_size, d, device=device)  # fp32, as the model accumulates
         self.lse = torch.rand(tokens, device=device) + 10
@@ -252,7 +253,7 @@ def fwd_bwd_fns(
     with torch.no_grad():
         for p in layer.parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if p.ndim == 1 else randn(*p.shape, fan_in=p.shape[1]))
-    step = _Step(stages=s, attention=attention, positions=x.positions, batch=b, dtype=None)
+    step = ForwardStep.of(s, attention, b, t, device)
     qkv_in = x.qkv.detach().clone().requires_grad_()
     x_in = x.x.detach().clone().requires_grad_()
     dx_out, dqkv_out = randn(m, c.dim), randn(m, c.qkv_dim)
@@ -397,9 +398,10 @@ def main() -> None:
     torch.manual_seed(0)
     cfg = get_preset(args.model)
     dtype = torch.bfloat16
-    x = Inputs(cfg, args.tokens, args.seq_len, device, dtype)
-    s, ref = get_backend(args.impl, device), get_backend("reference", device)
-    attention_name = args.attention if args.attention != "auto" else ("fa4" if s.name == "cute" else "sdpa")
+    block = resolve_block("coda", args.impl, args.attention, device)
+    s, ref = get_backend(block.backend, device), get_backend("reference", device)
+    attention_name = block.attention
+    x = Inputs(cfg, args.tokens, args.seq_len, device, dtype, s.head_chunk_rows(cfg.vocab_size))
     print(f"{args.model} M={args.tokens} impl={s.name} attention={attention_name} "
           f"device={torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}", flush=True)
 

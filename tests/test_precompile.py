@@ -16,19 +16,19 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from codatrain.config import load_config, validate
+from codatrain.config import load_config, model_config, validate
 from codatrain.kernels.precompile import (
     MANIFEST,
-    KernelCache,
     KernelCacheError,
     KernelShapes,
     cache_problems,
     cache_stamp,
     ensure_cache,
-    process_age_s,
     read_manifest,
 )
+from codatrain.kernels.resolve import resolve_block
 from codatrain.train.distributed import DistInfo
+from codatrain.train.kernel_cache import KernelCache, kernel_shapes, process_age_s
 
 REPO = Path(__file__).resolve().parent.parent
 CODA_KERNELS = ["block=coda", "block.backend=cute", "block.attention=fa4"]
@@ -41,8 +41,16 @@ def run_config(overrides: list[str]):
     return OmegaConf.to_object(cfg)
 
 
+def shapes_of(overrides: list[str], device: torch.device | None = None) -> KernelShapes:
+    """The kernels of a run config on `device` (None: the precompile target), as the training job
+    and scripts/precompile.py plan them."""
+    run = run_config(overrides)
+    block = resolve_block(run.block.impl, run.block.backend, run.block.attention, device)
+    return kernel_shapes(model_config(run.model), run.train.micro_batch_size, run.data.seq_len, block)
+
+
 def tiny_shapes() -> KernelShapes:
-    return KernelShapes.from_run(run_config(CODA_KERNELS))
+    return shapes_of(CODA_KERNELS)
 
 
 def write_manifest(cache_dir: Path, shapes: KernelShapes, **stamp_changes) -> None:
@@ -64,13 +72,13 @@ def test_shapes_of_a_run_config():
     assert (shapes.ffn_dim, shapes.vocab_size, shapes.batch, shapes.seq_len) == (384, 512, 16, 128)
     assert shapes.stages and shapes.fa4
     # Depth never changes the kernels; the micro-batch does (FA4).
-    assert KernelShapes.from_run(run_config([*CODA_KERNELS, "model.n_layers=2"])) == shapes
-    assert KernelShapes.from_run(run_config([*CODA_KERNELS, "data.seq_len=256"])).key != shapes.key
+    assert shapes_of([*CODA_KERNELS, "model.n_layers=2"]) == shapes
+    assert shapes_of([*CODA_KERNELS, "data.seq_len=256"]).key != shapes.key
     # No CuTeDSL kernel: the eager block, the reference stages with SDPA, `auto` on a CPU.
-    assert not KernelShapes.from_run(run_config(["block=eager"])).any
+    assert not shapes_of(["block=eager"]).any
     reference = ["block=coda", "block.backend=reference", "block.attention=sdpa"]
-    assert not KernelShapes.from_run(run_config(reference)).any
-    assert not KernelShapes.from_run(run_config(["block=coda"]), torch.device("cpu")).any
+    assert not shapes_of(reference).any
+    assert not shapes_of(["block=coda"], torch.device("cpu")).any
 
 
 def test_cache_problems_name_every_difference(tmp_path):
@@ -80,7 +88,7 @@ def test_cache_problems_name_every_difference(tmp_path):
 
     write_manifest(tmp_path, shapes)
     assert cache_problems(tmp_path, shapes) == []
-    other = KernelShapes.from_run(run_config([*CODA_KERNELS, "train.micro_batch_size=8"]))
+    other = shapes_of([*CODA_KERNELS, "train.micro_batch_size=8"])
     (problem,) = cache_problems(tmp_path, other)
     assert "not built for this config" in problem and shapes.key in problem
     (problem,) = cache_problems(tmp_path, shapes, num_sms=114)
@@ -111,8 +119,8 @@ def test_on_stale_is_validated():
 
 
 def test_cpu_training_ignores_the_cache_and_reports_its_startup(tmp_path):
-    run = run_config([*CODA_KERNELS, f"kernels.cache_dir={tmp_path}"])
-    cache = KernelCache.open(run, DistInfo(0, 0, 1, torch.device("cpu")))
+    cache = KernelCache(tmp_path, DistInfo(0, 0, 1, torch.device("cpu")))
+    cache.ensure(tiny_shapes(), on_stale="fail")
     assert cache.cache_dir is None and not list(tmp_path.iterdir())
     assert cache.first_step_report().startswith("time to first step: ")
     assert 0 < process_age_s() < 1e6

@@ -6,15 +6,17 @@ import math
 import pytest
 import torch
 
+from codatrain.kernels.attention import get_attention, sdpa_attention
 from codatrain.kernels.reference import ReferenceStages
+from codatrain.kernels.resolve import ResolvedBlock, resolve_block
 from codatrain.kernels.stages import (
+    HEAD_CHUNK_MULTIPLE,
     IGNORE_INDEX,
     BackendUnavailableError,
     StageBackend,
     get_backend,
     register_backend,
 )
-from codatrain.model.attention import get_attention, sdpa_attention
 
 M, D, K, F, V = 37, 40, 24, 18, 29  # rows, model width, out-proj input, MLP width, vocab
 HEAD_DIM, ROPE_HEADS, KV_HEADS = 8, 3, 1  # QKV: 3 rotated heads (2 q + 1 k) and 1 v head
@@ -204,11 +206,31 @@ def test_entry_casts_rows_not_the_table(s):
 
 def test_backend_registry_on_cpu():
     assert isinstance(get_backend("reference", "cpu"), ReferenceStages)
-    assert get_backend("auto", "cpu") is get_backend("reference", "cpu")
     with pytest.raises(BackendUnavailableError, match="'cute'"):
         get_backend("cute", "cpu")
     with pytest.raises(ValueError, match="unknown stage backend 'triton'"):
         get_backend("triton", "cpu")
+    # `auto` is no backend: resolve_block decides it.
+    with pytest.raises(ValueError, match="unknown stage backend 'auto'"):
+        get_backend("auto", "cpu")
+
+
+def test_auto_is_resolved_once_per_device():
+    cpu = torch.device("cpu")
+    assert resolve_block("coda", "auto", "auto", cpu) == ResolvedBlock("coda", "reference", "sdpa")
+    # The precompile target (no device): a Hopper GPU with the cuda extras.
+    assert resolve_block("coda", "auto", "auto", None) == ResolvedBlock("coda", "cute", "fa4")
+    # Explicit names pass through; the eager block runs no CODA kernels.
+    assert resolve_block("coda", "cute", "sdpa", cpu) == ResolvedBlock("coda", "cute", "sdpa")
+    eager = resolve_block("eager", "auto", "auto", None)
+    assert eager == ResolvedBlock("eager", None, None) and not (eager.cute_stages or eager.fa4)
+
+
+def test_head_chunk_rows_are_whole_tiles():
+    s = ReferenceStages()
+    assert s.head_chunk_rows(128256) == 4096
+    assert s.head_chunk_rows(1 << 30) == HEAD_CHUNK_MULTIPLE  # at least one multiple
+    assert s.head_chunk_rows(1000) % HEAD_CHUNK_MULTIPLE == 0
 
 
 def test_registering_a_backend_is_one_line():
@@ -224,6 +246,5 @@ def test_registering_a_backend_is_one_line():
 
 def test_attention_registry_on_cpu():
     assert get_attention("sdpa", torch.device("cpu")) is sdpa_attention
-    assert get_attention("auto", torch.device("cpu")) is sdpa_attention
     with pytest.raises(BackendUnavailableError, match="'fa4'"):
         get_attention("fa4", torch.device("cpu"))

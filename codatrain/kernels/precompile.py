@@ -2,10 +2,11 @@
 directory that training jobs load them from (DESIGN §4).
 
 The kernels are known before training starts: which ones depends on the model widths, the
-micro-batch (FlashAttention 4 picks its variant from batch and sequence length) and the block
-config (`KernelShapes`), never on the depth. `precompile` compiles them for Hopper (sm_90a) in
-separate processes that see no GPU, so a CPU machine or CI can build the cache; the compile
-specs themselves live in `codatrain.kernels.cute.precompile`.
+micro-batch (FlashAttention 4 picks its variant from batch and sequence length) and which parts
+of the block run as CuTeDSL kernels (`KernelShapes`), never on the depth. `precompile` compiles
+them for Hopper (sm_90a) in separate processes that see no GPU, so a CPU machine or CI can build
+the cache; those processes run `codatrain.kernels.cute.precompile`, which holds the compile specs.
+This module imports nothing of the cute side.
 
 A cache directory holds:
 
@@ -18,7 +19,7 @@ A cache directory holds:
 QuACK and FA4 already file their objects under a fingerprint of their sources and versions, so
 an object built by other versions is never loaded; but they then compile again, silently, in the
 middle of a training job. The manifest makes that visible: `cache_problems` says why a cache
-does not fit a config, and a training job (`KernelCache.open`) rebuilds it or stops with that
+does not fit a config, and a training job (`codatrain.train.kernel_cache`) rebuilds it or stops with that
 message, as `kernels.on_stale` says.
 
 The object files hold code for one Python minor version (QuACK's fingerprint includes it): build
@@ -27,34 +28,21 @@ the cache with the Python the training job runs.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import fcntl
 import hashlib
 import importlib.metadata
-import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-import torch
-import torch.distributed
-
-from codatrain.config import RunConfig, model_config
-from codatrain.kernels.stages import is_sm90
-
-if TYPE_CHECKING:
-    from codatrain.train.distributed import DistInfo
 
 # The compile target: Hopper with its arch-specific instructions (wgmma, TMA), as on H100 / H200.
 TARGET_ARCH = "sm_90a"
@@ -84,8 +72,8 @@ class KernelShapes:
 
     Model widths, the micro-batch (FA4's variant depends on batch and sequence length; the GEMMs
     compile for any M) and which parts of the block run as CuTeDSL kernels: `stages` (the CODA
-    stages on the cute backend) and `fa4` (attention). Depth does not matter: every layer
-    launches the same kernels.
+    stages on the cute backend) and `fa4` (attention), as `codatrain.kernels.resolve` resolved
+    them. Depth does not matter: every layer launches the same kernels.
     """
 
     dim: int
@@ -98,24 +86,6 @@ class KernelShapes:
     seq_len: int
     stages: bool = True
     fa4: bool = True
-
-    @classmethod
-    def from_run(cls, run: RunConfig, device: torch.device | None = None) -> KernelShapes:
-        """The shapes of a run config. `device`: where the job trains, which resolves
-        block.backend / block.attention = auto (None: a Hopper GPU, the precompile target)."""
-        cfg = model_config(run.model)
-        block = run.block
-        # `auto` means the kernels on an sm_90 GPU when the cuda extras import (stages.get_backend);
-        # the precompile target is such a GPU.
-        auto = device is None or (is_sm90(device) and importlib.util.find_spec("quack") is not None)
-        coda = block.impl == "coda"
-        return cls(
-            dim=cfg.dim, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-            ffn_dim=cfg.ffn_dim, vocab_size=cfg.vocab_size,
-            batch=run.train.micro_batch_size, seq_len=run.data.seq_len,
-            stages=coda and (block.backend == "cute" or (block.backend == "auto" and auto)),
-            fa4=coda and (block.attention == "fa4" or (block.attention == "auto" and auto)),
-        )
 
     @property
     def any(self) -> bool:
@@ -289,7 +259,7 @@ def _build(
     reports = [cache_dir / f".report.{os.getpid()}.{part}.json" for part in range(jobs)]
     workers = [
         subprocess.Popen(
-            [sys.executable, "-m", "codatrain.kernels.precompile", "--shapes",
+            [sys.executable, "-m", "codatrain.kernels.cute.precompile", "--shapes",
              json.dumps(dataclasses.asdict(shapes)), "--part", f"{part}/{jobs}", "--report", str(report)],
             env=_compile_env(cache_dir, num_sms),
         )
@@ -318,111 +288,6 @@ def _build(
     _write_manifest(cache_dir, manifest)
     log(f"precompile: {len(kernels)} kernel specs ready in {seconds:.1f} s")
     return PrecompileReport(cache_dir, shapes, kernels, seconds)
-
-
-# ---- the training job's side --------------------------------------------------------------------
-
-
-def process_age_s() -> float | None:
-    """Seconds since this process started (from Linux /proc), or None where that is unknown."""
-    try:
-        stat = Path("/proc/self/stat").read_text()
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-    except OSError:
-        return None
-    # Field 22 of /proc/<pid>/stat is the start time in clock ticks since boot; fields are
-    # counted after the parenthesised command name, which may itself contain spaces.
-    start_ticks = int(stat.rsplit(")", 1)[1].split()[19])
-    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
-
-
-class KernelCache:
-    """A training job's view of `kernels.cache_dir`: set up before the model is built (`open`),
-    asked after the first optimizer step how startup went (`first_step_report`)."""
-
-    def __init__(self, cache_dir: Path | None, shapes: KernelShapes | None) -> None:
-        self.cache_dir, self.shapes = cache_dir, shapes
-        self.opened = time.time()
-
-    @classmethod
-    def open(cls, run: RunConfig, dist: DistInfo) -> KernelCache:
-        """Point QuACK and FA4 at kernels.cache_dir and make sure it fits this run (`ensure_cache`).
-
-        Local rank 0 of each node rebuilds a stale cache while the other ranks wait; every rank
-        checks the same files, so with kernels.on_stale=fail all of them stop.
-        """
-        kernels, device = run.kernels, dist.device
-        shapes = KernelShapes.from_run(run, device) if device.type == "cuda" else None
-        if kernels.cache_dir is None or shapes is None or not shapes.any:
-            return cls(None, shapes)
-        cache_dir = Path(kernels.cache_dir).resolve()
-        _point_libraries_at(cache_dir)
-        ensure_cache(
-            cache_dir, shapes, on_stale=kernels.on_stale,
-            num_sms=torch.cuda.get_device_properties(device).multi_processor_count,
-            build=dist.local_rank == 0, log=print if dist.is_main else _quiet,
-        )
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()
-        return cls(cache_dir, shapes)
-
-    def first_step_report(self) -> str:
-        """One line for after the first optimizer step: the time since the process started, and
-        how many CuTeDSL kernels it loaded from disk and how many it had to compile."""
-        age = process_age_s()
-        started = time.time() - age if age is not None else self.opened
-        since = "process start" if age is not None else "trainer setup"
-        line = f"time to first step: {time.time() - started:.1f} s from {since}"
-        if "codatrain.kernels.cute" in sys.modules:
-            loaded, compiled = kernel_counts(started)
-            where = f" from {self.cache_dir}" if self.cache_dir is not None else ""
-            line += f" | CuTeDSL kernels: {loaded} loaded{where}, {compiled} compiled"
-        return line
-
-
-def jit_compilers() -> list[Callable]:
-    """QuACK's `jit_cache` compile functions (its own and codatrain's) loaded in this process."""
-    from quack.cache import CacheInfo
-
-    found: dict[int, Callable] = {}
-    for name, module in list(sys.modules.items()):
-        if name.split(".")[0] == "quack" or name.startswith("codatrain.kernels.cute"):
-            for value in list(vars(module).values()):
-                # A jit_cache wrapper: one kernel per key in `cache`, and QuACK's CacheInfo counts.
-                info = getattr(value, "cache_info", None)
-                if isinstance(getattr(value, "cache", None), dict) and callable(info):
-                    if isinstance(info(), CacheInfo):
-                        found[id(value)] = value
-    return list(found.values())
-
-
-def fa4_caches() -> list:
-    """FA4's compile caches (one per kernel kind: forward, backward, their helpers), if loaded."""
-    fa4 = sys.modules.get("flash_attn.cute.interface")
-    if fa4 is None:
-        return []
-    caches = (getattr(value, "compile_cache", None) for value in list(vars(fa4).values()))
-    return list({id(cache): cache for cache in caches if cache is not None}.values())
-
-
-def kernel_counts(since: float) -> tuple[int, int]:
-    """(kernels loaded from disk, kernels compiled) by this process, started at wall-clock time
-    `since`, over QuACK's compile functions and FA4's compile caches."""
-    loaded = compiled = 0
-    for compiler in jit_compilers():
-        info = compiler.cache_info()
-        loaded += info.currsize - info.misses
-        compiled += info.misses
-    for cache in fa4_caches():
-        # FA4 does not count. With its disk cache on, it exports every kernel it compiles, so
-        # this process's compiles are the objects written since it started.
-        fresh = len(cache.cache)
-        if hasattr(cache, "cache_path"):
-            written = sum(path.stat().st_mtime >= since for path in Path(cache.cache_path).glob("*.o"))
-            fresh = min(fresh, written)
-        compiled += fresh
-        loaded += len(cache.cache) - fresh
-    return loaded, compiled
 
 
 def ensure_cache(
@@ -460,12 +325,9 @@ def ensure_cache(
                 _build(shapes, cache_dir, num_sms, default_jobs(), log)
 
 
-def _quiet(message: str) -> None:
-    del message  # ranks other than 0 do not log
-
-
-def _point_libraries_at(cache_dir: Path) -> None:
+def point_libraries_at(cache_dir: str | Path) -> None:
     """Set QuACK's and FA4's cache directories, before either is imported if possible."""
+    cache_dir = Path(cache_dir).resolve()
     os.environ.update(runtime_env(cache_dir))
     quack_cache = sys.modules.get("quack.cache")
     if quack_cache is not None:
@@ -479,37 +341,3 @@ def _point_libraries_at(cache_dir: Path) -> None:
             "flash_attn.cute was imported before the kernel cache was set up, so its kernels would "
             f"not come from {cache_dir}; set up the Trainer before importing it"
         )
-
-
-# ---- the compile processes ----------------------------------------------------------------------
-
-
-def _worker(argv: list[str]) -> None:
-    """One compile process: compiles its share (`--part i/n`) of the kernel specs of `--shapes`
-    and writes [[spec name, seconds], …] to `--report`. Started by `_build` with the environment
-    of `_compile_env`, which CuTeDSL reads when it is first imported."""
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--shapes", required=True)
-    parser.add_argument("--part", required=True)
-    parser.add_argument("--report", required=True)
-    args = parser.parse_args(argv)
-    part, parts = (int(x) for x in args.part.split("/"))
-    shapes = KernelShapes(**json.loads(args.shapes))
-
-    from codatrain.kernels.cute.precompile import compile_specs, kernel_specs
-
-    # Known noise of compiling on fake tensors: FA4 reads data pointers (of fakes, harmlessly) and
-    # hands CuTeDSL an argument it cannot type (it is compile-time).
-    warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-    warnings.filterwarnings("ignore", message="Argument aux_data")
-
-    def log(line: str) -> None:
-        print(f"precompile [{part}/{parts}] {line}", file=sys.stderr, flush=True)
-
-    specs = kernel_specs(shapes)[part::parts]
-    seconds = compile_specs(specs, int(os.environ["FLASH_ATTENTION_NUM_SMS"]), log)
-    Path(args.report).write_text(json.dumps(list(seconds.items())))
-
-
-if __name__ == "__main__":
-    _worker(sys.argv[1:])

@@ -26,9 +26,9 @@ from codatrain.kernels.stages import (
     StageBackend,
     SwigluOut,
     register_backend,
+    rope_inv_freq,
     stat_dtype,
 )
-from codatrain.model.llama import rope_inv_freq
 
 
 def _rope_cos_sin(

@@ -36,23 +36,37 @@ A backend is a `StageBackend` subclass instance. Its module registers it on impo
     register_backend("cute", CuteStages())
 
 `get_backend(name, device)` imports the module that provides ``name`` (see `_PROVIDERS`) when it
-is not registered yet. ``"auto"`` picks ``cute`` on an sm_90 GPU when it imports, else
-``reference``.
+is not registered yet. ``auto`` is not a backend: `codatrain.kernels.resolve.resolve_block`
+decides it once, before a model is built.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
-import warnings
 from abc import ABC, abstractmethod
 from typing import NamedTuple, TypeVar
 
 import torch
 
-from codatrain.model.llama import IGNORE_INDEX
-
 T = TypeVar("T")
+
+# Targets with this value count in no loss (PyTorch's cross-entropy default), in every model.
+IGNORE_INDEX = -100
+
+# Rows of the LM-head backward processed at once are chosen so that one chunk of dlogits holds
+# at most about this many elements (512M: 1 GiB in bf16; 4096 rows at V = 128256), a fraction of
+# the M×V logits (and their fp32 copies) an eager head keeps. Bigger chunks make the chunk's three
+# GEMMs longer: the weight-gradient GEMM contracts over the chunk's rows and adds its V×d result
+# into the fp32 dW once per chunk, which at a few hundred rows costs more than its arithmetic.
+HEAD_CHUNK_ELEMENTS = 1 << 29
+# Chunks are whole multiples of a 2-CTA cluster of 128-row tiles (so no tile is partly empty)
+# and their per-row statistics start on 16-byte boundaries.
+HEAD_CHUNK_MULTIPLE = 256
+
+
+def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str = "cpu") -> torch.Tensor:
+    """fp64 (head_dim/2,): the rotation rate of RoPE pair i, theta^(-2i/head_dim)."""
+    return 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -125,6 +139,12 @@ class StageBackend(ABC):
     def unsupported_reason(self, device: torch.device) -> str | None:
         """Why this backend cannot run on `device`, or None when it can."""
         return None
+
+    def head_chunk_rows(self, vocab_size: int) -> int:
+        """Rows per chunk of the LM-head backward (`gemm_rstd_ce_bwd` and what follows it) for a
+        vocabulary of `vocab_size`: about HEAD_CHUNK_ELEMENTS logits, in whole HEAD_CHUNK_MULTIPLEs."""
+        rows = HEAD_CHUNK_ELEMENTS // vocab_size
+        return max(HEAD_CHUNK_MULTIPLE, rows - rows % HEAD_CHUNK_MULTIPLE)
 
     # ---- forward ---------------------------------------------------------------------------
 
@@ -349,7 +369,7 @@ def load_registered(kind: str, name: str, registry: dict[str, T], providers: dic
     """
     if name not in registry:
         if name not in providers:
-            known = ", ".join(sorted({*providers, *registry, "auto"}))
+            known = ", ".join(sorted({*providers, *registry}))
             raise ValueError(f"unknown {kind} {name!r}; known: {known}")
         try:
             importlib.import_module(providers[name])
@@ -375,29 +395,18 @@ def is_sm90(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
-@functools.cache
-def _auto_backend(device: torch.device) -> StageBackend:
-    if is_sm90(device):
-        try:
-            cute = _load("cute")
-            if cute.unsupported_reason(device) is None:
-                return cute
-        except BackendUnavailableError as exc:
-            warnings.warn(f"block.backend=auto falls back to the reference stages: {exc}", stacklevel=3)
-    return _load("reference")
+def get_backend(name: str, device: torch.device | str | None = None) -> StageBackend:
+    """The stage backend `name` (reference | cute) for tensors on `device`.
 
-
-def get_backend(name: str, device: torch.device | str) -> StageBackend:
-    """The stage backend `name` (reference | cute | auto) for tensors on `device`.
-
-    Raises BackendUnavailableError when an explicitly requested backend cannot run on `device`.
+    Raises BackendUnavailableError when the backend cannot be loaded, or cannot run on `device`
+    (None: not checked, as for a model built on the meta device).
     """
+    backend = _load(name)
+    if device is None:
+        return backend
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    if name == "auto":
-        return _auto_backend(device)
-    backend = _load(name)
     reason = backend.unsupported_reason(device)
     if reason is not None:
         raise BackendUnavailableError(f"stage backend {name!r} cannot run on {device}: {reason}")

@@ -25,26 +25,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from codatrain.kernels.attention import AttentionFn, causal_attention, get_attention
 from codatrain.kernels.stages import IGNORE_INDEX, StageBackend, get_backend
-from codatrain.model.attention import AttentionFn, causal_attention, get_attention
 from codatrain.model.config import LlamaConfig
 from codatrain.model.llama import CanonicalLayout
-
-# Rows of the LM-head backward processed at once are chosen so that one chunk of dlogits holds
-# at most about this many elements (512M: 1 GiB in bf16; 4096 rows at V = 128256), a fraction of
-# the M×V logits (and their fp32 copies) an eager head keeps. Bigger chunks make the chunk's three
-# GEMMs longer: the weight-gradient GEMM contracts over the chunk's rows and adds its V×d result
-# into the fp32 dW once per chunk, which at a few hundred rows costs more than its arithmetic.
-HEAD_CHUNK_ELEMENTS = 1 << 29
-# Chunks are whole multiples of a 2-CTA cluster of 128-row tiles (so no tile is partly empty)
-# and their per-row statistics start on 16-byte boundaries.
-HEAD_CHUNK_MULTIPLE = 256
-
-
-def default_head_chunk_rows(vocab_size: int) -> int:
-    """Default rows per chunk of the LM-head backward for a vocabulary of `vocab_size`."""
-    rows = HEAD_CHUNK_ELEMENTS // vocab_size
-    return max(HEAD_CHUNK_MULTIPLE, rows - rows % HEAD_CHUNK_MULTIPLE)
 
 
 @dataclass(frozen=True)
@@ -63,8 +47,9 @@ class _Consts:
 
 
 @dataclass(frozen=True)
-class _Step:
-    """What every module needs for one forward pass, resolved once by `CodaLlama.forward`."""
+class ForwardStep:
+    """What every module needs for one forward pass (`of`), made once per forward by `CodaLlama`
+    and by whoever runs one module alone (scripts/bench_block.py)."""
 
     stages: StageBackend
     attention: AttentionFn
@@ -72,6 +57,20 @@ class _Step:
     batch: int
     dtype: torch.dtype | None  # the autocast dtype when autocast is on: custom Functions are not
     # autocast-aware, so the modules cast their parameters themselves
+
+    @classmethod
+    def of(
+        cls, stages: StageBackend, attention: AttentionFn, batch: int, seq_len: int, device: torch.device
+    ) -> ForwardStep:
+        """The step of `batch` sequences of `seq_len` tokens on `device`, rows in sequence order."""
+        autocast = torch.is_autocast_enabled(device.type)
+        return cls(
+            stages=stages,
+            attention=attention,
+            positions=torch.arange(seq_len, device=device).repeat(batch),
+            batch=batch,
+            dtype=torch.get_autocast_dtype(device.type) if autocast else None,
+        )
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -267,7 +266,7 @@ class CodaEntry(nn.Module):
         self.gamma_attn = _param(cfg.dim)
         self.w_qkv = _param(cfg.qkv_dim, cfg.dim)
 
-    def forward(self, tokens: torch.Tensor, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, tokens: torch.Tensor, step: ForwardStep) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens (M,) → (x0 (M, d), qkv0 (M, N_qkv))."""
         with torch.autocast(tokens.device.type, enabled=False):
             # The embedding is not cast as a whole: the entry stage writes its rows in step.dtype.
@@ -288,7 +287,7 @@ class _ShiftedLayer(nn.Module):
         self.w_gate_up = _param(2 * cfg.ffn_dim, cfg.dim)
         self.w_down = _param(cfg.dim, cfg.ffn_dim)
 
-    def attention(self, qkv: torch.Tensor, step: _Step) -> torch.Tensor:
+    def attention(self, qkv: torch.Tensor, step: ForwardStep) -> torch.Tensor:
         cfg = self.cfg
         return causal_attention(qkv, step.batch, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, step.attention)
 
@@ -304,7 +303,9 @@ class CodaLayer(_ShiftedLayer):
         self.gamma_attn_next = _param(cfg.dim)
         self.w_qkv_next = _param(cfg.qkv_dim, cfg.dim)
 
-    def forward(self, qkv: torch.Tensor, x: torch.Tensor, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, qkv: torch.Tensor, x: torch.Tensor, step: ForwardStep
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(qkv_i, x_in) → (x_out, qkv_{i+1})."""
         o = self.attention(qkv, step)
         with torch.autocast(x.device.type, enabled=False):
@@ -324,7 +325,7 @@ class CodaFinalLayer(_ShiftedLayer):
         self.w_lm_head = _param(cfg.vocab_size, cfg.dim)
 
     def forward(
-        self, qkv: torch.Tensor, x: torch.Tensor, step: _Step, targets: torch.Tensor | None
+        self, qkv: torch.Tensor, x: torch.Tensor, step: ForwardStep, targets: torch.Tensor | None
     ) -> torch.Tensor:
         """(qkv, x_in, targets (M,)) → mean loss; without targets, logits (M, V)."""
         o = self.attention(qkv, step)
@@ -364,18 +365,22 @@ class CodaLlama(nn.Module, CanonicalLayout):
     """Llama decoder computed as CODA stages. `forward(tokens)` gives logits; `forward(tokens,
     targets)` the mean cross-entropy over targets that are not IGNORE_INDEX.
 
-    backend: stage backend (reference | cute | auto); attention: sdpa | fa4 | auto.
-    head_chunk_rows: rows per chunk of the LM-head backward (default: `default_head_chunk_rows(V)`).
+    backend: stage backend (reference | cute); attention: sdpa | fa4, both looked up once, here.
+    device: where the model will run, to check that the kernels run there (None: not checked).
+    head_chunk_rows: rows per chunk of the LM-head backward (default: the backend's
+    `head_chunk_rows(V)`).
     """
 
     def __init__(
-        self, cfg: LlamaConfig, backend: str = "auto", attention: str = "auto",
-        head_chunk_rows: int | None = None,
+        self, cfg: LlamaConfig, backend: str = "reference", attention: str = "sdpa",
+        head_chunk_rows: int | None = None, device: torch.device | None = None,
     ) -> None:
         super().__init__()
-        self.cfg, self.backend, self.attention = cfg, backend, attention
+        self.cfg = cfg
+        self.stages = get_backend(backend, device)
+        self.attention_fn = get_attention(attention, device)
         self.entry = CodaEntry(cfg)
-        chunk_rows = head_chunk_rows or default_head_chunk_rows(cfg.vocab_size)
+        chunk_rows = head_chunk_rows or self.stages.head_chunk_rows(cfg.vocab_size)
         self.layers = nn.ModuleList(
             [*(CodaLayer(cfg) for _ in range(cfg.n_layers - 1)), CodaFinalLayer(cfg, chunk_rows)]
         )
@@ -390,14 +395,7 @@ class CodaLlama(nn.Module, CanonicalLayout):
         batch, seq = tokens.shape
         if seq > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds model.max_seq_len={self.cfg.max_seq_len}")
-        device = tokens.device
-        step = _Step(
-            stages=get_backend(self.backend, device),
-            attention=get_attention(self.attention, device),
-            positions=torch.arange(seq, device=device).repeat(batch),
-            batch=batch,
-            dtype=torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None,
-        )
+        step = ForwardStep.of(self.stages, self.attention_fn, batch, seq, tokens.device)
         x, qkv = self.entry(tokens.reshape(-1), step)
         for layer in self.layers[:-1]:
             x, qkv = layer(qkv, x, step)

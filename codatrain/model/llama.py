@@ -11,10 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from codatrain.kernels.stages import IGNORE_INDEX, rope_inv_freq
 from codatrain.model.config import LlamaConfig
 from codatrain.model.init import init_canonical_weights
-
-IGNORE_INDEX = -100
 
 
 class RMSNorm(nn.Module):
@@ -29,11 +28,6 @@ class RMSNorm(nn.Module):
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
-
-
-def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str = "cpu") -> torch.Tensor:
-    """fp64 (head_dim/2,): the rotation rate of pair i, theta^(-2i/head_dim)."""
-    return 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
 
 
 def rope_cos_sin(

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from codatrain.config import RunConfig, model_config, validate
 from codatrain.data import build_loaders
-from codatrain.kernels.precompile import KernelCache
+from codatrain.kernels.resolve import resolve_block
 from codatrain.model import build_model
 from codatrain.train.checkpoint import Checkpointer
 from codatrain.train.distributed import (
@@ -25,6 +25,7 @@ from codatrain.train.distributed import (
     init_distributed,
     shutdown_distributed,
 )
+from codatrain.train.kernel_cache import KernelCache, kernel_shapes
 from codatrain.train.logger import RunLogger
 from codatrain.train.metrics import (
     format_mfu,
@@ -80,14 +81,18 @@ class Trainer:
             )
         self.grad_accum = self.tokens_per_step // tokens_per_micro_step
 
-        # Before any kernel can compile: point the CuTeDSL kernels at kernels.cache_dir, rebuilding
-        # it (or failing, kernels.on_stale) when it was not built for this run and software.
-        self.kernel_cache = KernelCache.open(run, dist_info)
+        # Before any kernel can compile (or a CuTeDSL library load: resolving `auto` loads them):
+        # point the CuTeDSL kernels at kernels.cache_dir, rebuilding it (or failing,
+        # kernels.on_stale) when it was not built for this run and software.
+        self.kernel_cache = KernelCache(run.kernels.cache_dir, dist_info)
+        block = resolve_block(run.block.impl, run.block.backend, run.block.attention, device)
+        shapes = kernel_shapes(self.model_cfg, tcfg.micro_batch_size, self.seq_len, block)
+        self.kernel_cache.ensure(shapes, run.kernels.on_stale)
 
         # Build on the meta device, wrap, shard, then materialise: no process ever holds the full
         # model, and init is drawn per canonical tensor so it is the same for any sharding.
         with torch.device("meta"):
-            model = build_model(self.model_cfg, run.block, device)
+            model = build_model(self.model_cfg, block.impl, block.backend, block.attention, device)
         if tcfg.activation_checkpointing:
             apply_activation_checkpointing(model)
         if tcfg.compile:

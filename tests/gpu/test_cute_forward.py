@@ -27,11 +27,12 @@ from cute_check import (  # noqa: E402
     run_both,
 )
 
+from codatrain.kernels.attention import get_attention, sdpa_attention  # noqa: E402
 from codatrain.kernels.cute import entry as cute_entry  # noqa: E402
 from codatrain.kernels.cute import gemm_stages  # noqa: E402
 from codatrain.kernels.cute.attention import fa4_attention  # noqa: E402
+from codatrain.kernels.resolve import ResolvedBlock, resolve_block  # noqa: E402
 from codatrain.kernels.stages import IGNORE_INDEX, get_backend  # noqa: E402
-from codatrain.model.attention import get_attention, sdpa_attention  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -58,8 +59,8 @@ def backends():
 
 
 def test_cute_is_selected_on_sm90():
-    assert get_backend("auto", DEVICE).name == "cute"
-    assert get_attention("auto", DEVICE) is fa4_attention
+    assert resolve_block("coda", "auto", "auto", DEVICE) == ResolvedBlock("coda", "cute", "fa4")
+    assert get_attention("fa4", DEVICE) is fa4_attention
     h, w = torch.randn(256, 64, device=DEVICE), torch.randn(128, 64, device=DEVICE)
     with pytest.raises(TypeError, match="16-bit"):
         get_backend("cute", DEVICE).gemm_rstd(h, w, torch.ones(256, device=DEVICE))

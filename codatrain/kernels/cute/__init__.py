@@ -22,6 +22,7 @@ from pathlib import Path
 import quack.cache
 import torch
 
+from codatrain.kernels.attention import register_attention
 from codatrain.kernels.cute import attention, entry, gemm_bwd_stages, gemm_stages, rowwise
 from codatrain.kernels.stages import (
     IGNORE_INDEX,
@@ -37,7 +38,6 @@ from codatrain.kernels.stages import (
     is_sm90,
     register_backend,
 )
-from codatrain.model.attention import register_attention
 
 # QuACK keys its on-disk kernel cache on a fingerprint of its own sources; adding ours makes an
 # edit to a kernel here invalidate the kernels compiled from the old version.

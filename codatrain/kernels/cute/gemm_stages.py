@@ -24,7 +24,7 @@ from torch import Tensor
 
 from codatrain.kernels.cute.epilogues import rstd_epi, rstd_lse_target_epi, rstd_swiglu_epi
 from codatrain.kernels.cute.torch_op import stage_op
-from codatrain.model.llama import rope_inv_freq
+from codatrain.kernels.stages import rope_inv_freq
 
 
 def sm90_config(tile_m: int, tile_n: int, *, pingpong: bool, cluster_m: int, cluster_n: int) -> GemmConfig:

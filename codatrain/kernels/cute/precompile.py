@@ -1,5 +1,7 @@
 """The CuTeDSL kernels a training config launches, as compile specs, and how to compile them
-without a GPU (driven by `codatrain.kernels.precompile`, which owns the cache directory).
+without a GPU: the compile process that `codatrain.kernels.precompile` (which owns the cache
+directory) starts as ``python -m codatrain.kernels.cute.precompile``, and the count of kernels a
+training process loaded or compiled (`kernel_counts`).
 
 Each stage family contributes its kernels through one function of `KernelShapes`:
 `entry_kernels`, `forward_kernels`, `backward_kernels`, `attention_kernels` (`FAMILIES`). A
@@ -19,17 +21,23 @@ launches itself, as one calling its compile function.
 
 Importing this module needs the cuda extras. Compiling needs the target set in the environment
 before CuTeDSL is first imported (`CUTE_DSL_ARCH`, `QUACK_ARCH`, FA4's `FLASH_ATTENTION_ARCH` and
-`FLASH_ATTENTION_NUM_SMS`), as the compile processes of `codatrain.kernels.precompile` have it.
+`FLASH_ATTENTION_NUM_SMS`), as the compile processes started by `codatrain.kernels.precompile`
+have it.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import faulthandler
+import json
+import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from unittest import mock
 
 import quack.cute_dsl_utils
@@ -38,15 +46,15 @@ import quack.gemm_tvm_ffi_utils
 import torch
 from flash_attn.cute import flash_attn_func
 from flash_attn.cute.interface import _flash_attn_bwd
+from quack.cache import CacheInfo
 from quack.cute_dsl_utils import torch2cute_dtype_map
 from quack.rms_final_reduce import _compile_rms_final_reduce
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from codatrain.kernels.attention import causal_attention
 from codatrain.kernels.cute import CuteStages, entry, rowwise
-from codatrain.kernels.precompile import KernelShapes, fa4_caches, jit_compilers
+from codatrain.kernels.precompile import KernelShapes
 from codatrain.kernels.stages import IGNORE_INDEX
-from codatrain.model.attention import causal_attention
-from codatrain.model.coda import default_head_chunk_rows
 
 # Training activations are bf16 (autocast on one GPU, FSDP2's param dtype on several);
 # statistics fp32.
@@ -103,7 +111,7 @@ def _qkv_dim(s: KernelShapes) -> int:
 
 def _head_rows(s: KernelShapes) -> int:
     """Rows per chunk of the LM-head backward, as `CodaLlama` chooses them by default."""
-    return min(_tokens(s), default_head_chunk_rows(s.vocab_size))
+    return min(_tokens(s), CuteStages().head_chunk_rows(s.vocab_size))
 
 
 # ---- the stage families -----------------------------------------------------------------------
@@ -312,3 +320,81 @@ def _kernel_lookups() -> int:
     """How often a kernel was fetched from a compile cache so far (compiled, loaded or in memory)."""
     quack_lookups = sum(info.hits + info.misses for info in (c.cache_info() for c in jit_compilers()))
     return quack_lookups + sum(len(cache.cache) for cache in fa4_caches())
+
+
+# ---- what a process compiled ----------------------------------------------------------------------
+
+
+def jit_compilers() -> list[Callable]:
+    """QuACK's `jit_cache` compile functions (its own and codatrain's) loaded in this process."""
+    found: dict[int, Callable] = {}
+    for name, module in list(sys.modules.items()):
+        if name.split(".")[0] == "quack" or name.startswith("codatrain.kernels.cute"):
+            for value in list(vars(module).values()):
+                # A jit_cache wrapper: one kernel per key in `cache`, and QuACK's CacheInfo counts.
+                info = getattr(value, "cache_info", None)
+                if isinstance(getattr(value, "cache", None), dict) and callable(info):
+                    if isinstance(info(), CacheInfo):
+                        found[id(value)] = value
+    return list(found.values())
+
+
+def fa4_caches() -> list:
+    """FA4's compile caches (one per kernel kind: forward, backward, their helpers), if loaded."""
+    fa4 = sys.modules.get("flash_attn.cute.interface")
+    if fa4 is None:
+        return []
+    caches = (getattr(value, "compile_cache", None) for value in list(vars(fa4).values()))
+    return list({id(cache): cache for cache in caches if cache is not None}.values())
+
+
+def kernel_counts(since: float) -> tuple[int, int]:
+    """(kernels loaded from disk, kernels compiled) by this process, started at wall-clock time
+    `since`, over QuACK's compile functions and FA4's compile caches."""
+    loaded = compiled = 0
+    for compiler in jit_compilers():
+        info = compiler.cache_info()
+        loaded += info.currsize - info.misses
+        compiled += info.misses
+    for cache in fa4_caches():
+        # FA4 does not count. With its disk cache on, it exports every kernel it compiles, so
+        # this process's compiles are the objects written since it started.
+        fresh = len(cache.cache)
+        if hasattr(cache, "cache_path"):
+            written = sum(path.stat().st_mtime >= since for path in Path(cache.cache_path).glob("*.o"))
+            fresh = min(fresh, written)
+        compiled += fresh
+        loaded += len(cache.cache) - fresh
+    return loaded, compiled
+
+
+# ---- the compile process ----------------------------------------------------------------------
+
+
+def _worker(argv: list[str]) -> None:
+    """One compile process: compiles its share (`--part i/n`) of the kernel specs of `--shapes`
+    and writes [[spec name, seconds], …] to `--report`. Started by `codatrain.kernels.precompile`
+    with the environment of its `_compile_env`, which CuTeDSL read when it was first imported."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", required=True)
+    parser.add_argument("--part", required=True)
+    parser.add_argument("--report", required=True)
+    args = parser.parse_args(argv)
+    part, parts = (int(x) for x in args.part.split("/"))
+    shapes = KernelShapes(**json.loads(args.shapes))
+
+    # Known noise of compiling on fake tensors: FA4 reads data pointers (of fakes, harmlessly) and
+    # hands CuTeDSL an argument it cannot type (it is compile-time).
+    warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+    warnings.filterwarnings("ignore", message="Argument aux_data")
+
+    def log(line: str) -> None:
+        print(f"precompile [{part}/{parts}] {line}", file=sys.stderr, flush=True)
+
+    specs = kernel_specs(shapes)[part::parts]
+    seconds = compile_specs(specs, int(os.environ["FLASH_ATTENTION_NUM_SMS"]), log)
+    Path(args.report).write_text(json.dumps(list(seconds.items())))
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1:])

@@ -34,21 +34,17 @@ def register_attention(name: str, fn: AttentionFn) -> None:
     _IMPLS[name] = fn
 
 
-def get_attention(name: str, device: torch.device) -> AttentionFn:
-    """The attention implementation `name` (sdpa | fa4 | auto: fa4 on sm_90 when available, else sdpa)."""
-    if name == "auto":
-        if is_sm90(device):
-            try:
-                return get_attention("fa4", device)
-            except BackendUnavailableError:
-                pass
-        return _IMPLS["sdpa"]
+def get_attention(name: str, device: torch.device | str | None = None) -> AttentionFn:
+    """The attention implementation `name` (sdpa | fa4) for tensors on `device` (None: not checked).
+
+    Raises BackendUnavailableError when it cannot be loaded or cannot run on `device`.
+    """
     hint = (
         "It needs an sm_90 GPU and the cuda extras (pip install 'codatrain[cuda]'); "
         "block.attention=sdpa runs anywhere."
     )
     fn = load_registered("attention", name, _IMPLS, _PROVIDERS, hint)
-    if name == "fa4" and not is_sm90(device):
+    if name == "fa4" and device is not None and not is_sm90(torch.device(device)):
         raise BackendUnavailableError(f"attention 'fa4' needs an sm_90 GPU, not {device}")
     return fn
 
