@@ -1,0 +1,100 @@
+"""The package's import structure: every module imports, no import cycle, and the layers import
+downwards only, ``train → data → config → model → kernels`` (kernels know nothing above them).
+
+The graph is read from the source (every import statement, also those inside functions and
+under TYPE_CHECKING), so an import that runs only on some path still counts.
+"""
+
+import ast
+import importlib
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "codatrain"
+# Lowest first; a module may import its own layer and those below it.
+LAYERS = ("kernels", "model", "config", "data", "train")
+# The cute backend needs the cuda extras; without them its modules are checked in the graph only.
+CUDA_EXTRAS = ("cutlass", "quack", "flash_attn")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def layer(module: str) -> int:
+    return LAYERS.index(module.split(".")[1])
+
+
+def imports(module: str) -> set[str]:
+    """The codatrain modules `module` imports: `from codatrain.a import b` names codatrain.a.b
+    when that is a module, else codatrain.a."""
+    path = MODULES[module]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}:{node.lineno}: codatrain imports itself by absolute names"
+            base = node.module
+            names = [f"{base}.{alias.name}" for alias in node.names]
+            names = [name if name in MODULES else base for name in names]
+        else:
+            continue
+        found.update(name for name in names if name in MODULES)
+    found.discard(module)
+    return found
+
+
+GRAPH = {module: imports(module) for module in MODULES}
+
+
+@pytest.mark.parametrize("module", list(MODULES))
+def test_every_module_imports(module):
+    if module.startswith("codatrain.kernels.cute") and not all(
+        importlib.util.find_spec(name) for name in CUDA_EXTRAS
+    ):
+        pytest.skip("needs the cuda extras")
+    importlib.import_module(module)
+
+
+def test_layers_import_downwards_only():
+    upward = [
+        f"{module} ({LAYERS[layer(module)]}) imports {target} ({LAYERS[layer(target)]})"
+        for module, targets in GRAPH.items()
+        for target in sorted(targets)
+        if layer(target) > layer(module)
+    ]
+    assert not upward, "\n".join(upward)
+
+
+def test_no_import_cycle():
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(module: str) -> None:
+        if module in path:
+            cycle = path[path.index(module):] + [module]
+            raise AssertionError("import cycle: " + " → ".join(cycle))
+        if module in done:
+            return
+        path.append(module)
+        for target in sorted(GRAPH[module]):
+            visit(target)
+        path.pop()
+        done.add(module)
+
+    for module in MODULES:
+        visit(module)
+
+
+def test_the_graph_sees_imports():
+    # The checks above pass on an empty graph too: make sure it holds the edges it should.
+    assert "codatrain.kernels.stages" in GRAPH["codatrain.model.coda"]
+    assert "codatrain.kernels.cute.entry" in GRAPH["codatrain.kernels.cute.precompile"]
+    assert "codatrain.train.kernel_cache" in GRAPH["codatrain.train.trainer"]
