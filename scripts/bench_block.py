@@ -300,15 +300,14 @@ def fwd_bwd_fns(
 
 
 def sweep(x: Inputs, device: torch.device, stages: list[str], warmup: int, iters: int) -> list[dict]:
-    """Time cute GEMM stages under candidate tile configs (the winners go into the CONFIGS of
-    gemm_stages.py and gemm_bwd_stages.py), each next to the same GEMM alone in cuBLAS."""
-    from codatrain.kernels.cute import gemm_bwd_stages, gemm_stages
+    """Time cute GEMM stages under candidate tile configs (the winners go into
+    codatrain/kernels/cute/configs.py), each next to the same GEMM alone in cuBLAS."""
+    from codatrain.kernels.cute import configs
 
     s = get_backend("cute", device)
-    fwd, bwd = gemm_stages.CONFIGS, gemm_bwd_stages.CONFIGS
     rows = x.head_rows
     norm_bwd = (x.x, x.gamma, x.rstd, x.zdz, x.x)  # the norm's input, γ, rstd, zdz, residual grad
-    cfg = gemm_stages.sm90_config
+    cfg = configs.sm90_config
     candidates = {
         "128x192 pingpong c2x1": cfg(128, 192, pingpong=True, cluster_m=2, cluster_n=1),
         "192x128 pingpong c1x2": cfg(192, 128, pingpong=True, cluster_m=1, cluster_n=2),
@@ -318,28 +317,28 @@ def sweep(x: Inputs, device: torch.device, stages: list[str], warmup: int, iters
         "256x128 coop c1x2": cfg(256, 128, pingpong=False, cluster_m=1, cluster_n=2),
         "256x128 coop c2x1": cfg(256, 128, pingpong=False, cluster_m=2, cluster_n=1),
     }
-    calls = {  # stage: (CONFIGS dict, key, call, the same GEMM in cuBLAS)
-        "F1": (fwd, "residual_rms", lambda: s.gemm_residual_rms(x.attn_out, x.w_o, x.x, x.gamma),
+    calls = {  # stage: (its key in configs.py, call, the same GEMM in cuBLAS)
+        "F1": ("residual_rms", lambda: s.gemm_residual_rms(x.attn_out, x.w_o, x.x, x.gamma),
                lambda: torch.mm(x.attn_out, x.w_o.t())),
-        "F3": (fwd, "residual_rms", lambda: s.gemm_residual_rms(x.y, x.w_down, x.x, x.gamma),
+        "F3": ("residual_rms", lambda: s.gemm_residual_rms(x.y, x.w_down, x.x, x.gamma),
                lambda: torch.mm(x.y, x.w_down.t())),
-        "F2": (fwd, "rstd_swiglu", lambda: s.gemm_rstd_swiglu(x.h, x.w_gu, x.rstd),
+        "F2": ("rstd_swiglu", lambda: s.gemm_rstd_swiglu(x.h, x.w_gu, x.rstd),
                lambda: torch.mm(x.h, x.w_gu.t())),
-        "F4": (fwd, "rstd_rope", lambda: s.gemm_rstd_rope(x.h, x.w_qkv, x.rstd, x.positions, **x.rope),
+        "F4": ("rstd_rope", lambda: s.gemm_rstd_rope(x.h, x.w_qkv, x.rstd, x.positions, **x.rope),
                lambda: torch.mm(x.h, x.w_qkv.t())),
-        "LM": (fwd, "rstd_lse", lambda: s.gemm_rstd_lse(x.h, x.w_head, x.rstd, x.tokens),
+        "LM": ("rstd_lse", lambda: s.gemm_rstd_lse(x.h, x.w_head, x.rstd, x.tokens),
                lambda: torch.mm(x.h, x.w_head.t())),
-        "Bdswiglu": (bwd, "dswiglu", lambda: s.gemm_dswiglu(x.x, x.w_down, x.preact),
+        "Bdswiglu": ("dswiglu", lambda: s.gemm_dswiglu(x.x, x.w_down, x.preact),
                      lambda: torch.mm(x.x, x.w_down)),
-        "Brms_gu": (bwd, "rms_bwd", lambda: s.gemm_rms_bwd(x.preact, x.w_gu, *norm_bwd),
+        "Brms_gu": ("rms_bwd", lambda: s.gemm_rms_bwd(x.preact, x.w_gu, *norm_bwd),
                     lambda: torch.mm(x.preact, x.w_gu)),
-        "Brms_qkv": (bwd, "rms_bwd", lambda: s.gemm_rms_bwd(x.dqkv, x.w_qkv, *norm_bwd),
+        "Brms_qkv": ("rms_bwd", lambda: s.gemm_rms_bwd(x.dqkv, x.w_qkv, *norm_bwd),
                      lambda: torch.mm(x.dqkv, x.w_qkv)),
-        "Brms_final": (bwd, "rms_bwd",
+        "Brms_final": ("rms_bwd",
                        lambda: s.gemm_rms_bwd(x.dlogits, x.w_head, x.x[:rows], x.gamma, x.rstd[:rows],
                                               x.zdz[:rows]),
                        lambda: torch.mm(x.dlogits, x.w_head)),
-        "Bce": (bwd, "ce_bwd",
+        "Bce": ("ce_bwd",
                 lambda: s.gemm_rstd_ce_bwd(x.h[:rows], x.w_head, x.rstd[:rows], x.tokens[:rows], x.lse[:rows],
                                            x.grad_scale),
                 lambda: torch.mm(x.h[:rows], x.w_head.t())),
@@ -349,15 +348,15 @@ def sweep(x: Inputs, device: torch.device, stages: list[str], warmup: int, iters
         raise SystemExit(f"--sweep: unknown stage(s) {unknown}; known: {' '.join(calls)}")
     results = []
     for stage in stages or list(calls):
-        configs, key, call, cublas = calls[stage]
-        chosen = configs[key]
+        key, call, cublas = calls[stage]
+        chosen = configs.gemm_config(key)
         (ms_cublas,) = median_ms([cublas], device, warmup=warmup, iters=iters)
         print(f"sweep {stage:9s} {'cuBLAS GEMM alone':22s} {ms_cublas:8.3f} ms", flush=True)
         results.append({"stage": stage, "config": "cuBLAS GEMM alone", "ms": ms_cublas})
         for label, config in candidates.items():
-            configs[key] = config
             try:
-                (ms,) = median_ms([call], device, warmup=warmup, iters=iters)
+                with configs.overridden(key, config):
+                    (ms,) = median_ms([call], device, warmup=warmup, iters=iters)
             except Exception as exc:  # a config a kernel rejects is a result, not a crash
                 print(f"sweep {stage:9s} {label:22s} failed: {type(exc).__name__}: {exc}"[:300])
                 continue
@@ -365,7 +364,6 @@ def sweep(x: Inputs, device: torch.device, stages: list[str], warmup: int, iters
             print(f"sweep {stage:9s} {label:22s} {ms:8.3f} ms  {ms / ms_cublas:6.3f} x cuBLAS{mark}",
                   flush=True)
             results.append({"stage": stage, "config": label, "ms": ms})
-        configs[key] = chosen
     return results
 
 

@@ -1,4 +1,5 @@
-"""Precompiled CuTeDSL kernels (codatrain/kernels/precompile.py, scripts/precompile.py).
+"""Precompiled CuTeDSL kernels (codatrain/kernels/precompile.py, codatrain/train/kernel_cache.py,
+scripts/precompile.py).
 
 The stamp, manifest and stale-cache switch run anywhere. With the cuda extras installed (CuTeDSL,
 QuACK, FA4, triton), `test_precompile_tiny_for_sm90a` builds the cache of the `tiny` config for

@@ -27,8 +27,9 @@ ROPE = {"head_dim": HEAD_DIM, "rope_heads": ROPE_HEADS, "rope_theta": THETA}
 
 @pytest.fixture
 def s() -> ReferenceStages:
-    # A tiny logits budget makes the LM head's forward work in several row chunks.
-    return ReferenceStages(logits_chunk_elements=5 * V)
+    # A tiny logits budget makes the LM head's forward work in several row chunks; small tiles
+    # give the norm statistics several partial sums (columns of 16, rows of 8).
+    return ReferenceStages(logits_chunk_elements=5 * V, tile_n=16, tile_m=8)
 
 
 def rand(*shape, scale=1.0, requires_grad=True):
@@ -39,7 +40,7 @@ def norm_producer(s):
     """F1 + R: the residual stream x that a norm reads, built from leaves autograd can reach."""
     a, w_o, residual = rand(M, K), rand(D, K, scale=K**-0.5), rand(M, D)
     gamma = (1 + 0.3 * torch.randn(D, dtype=torch.float64)).requires_grad_()
-    x, h, sq = s.gemm_residual_rms(a, w_o, residual, gamma, tile_n=16)
+    x, h, sq = s.gemm_residual_rms(a, w_o, residual, gamma)
     rstd = s.rstd_from_partials(sq, dim=D, eps=EPS)
     return (a, w_o, residual, gamma), (x, h, rstd)
 
@@ -57,7 +58,7 @@ def assert_grads(expected, actual):
 
 def test_residual_rms_forward_conventions(s):
     (a, w_o, residual, gamma), (x, h, rstd) = norm_producer(s)
-    sq = s.gemm_residual_rms(a, w_o, residual, gamma, tile_n=16).sq_partials
+    sq = s.gemm_residual_rms(a, w_o, residual, gamma).sq_partials
     assert sq.shape == (M, math.ceil(D / 16))
     expected_x = residual + a @ w_o.t()
     torch.testing.assert_close(x, expected_x)
@@ -103,7 +104,7 @@ def test_qkv_backward_stages(s):
 
     with torch.no_grad():
         dz, zdz = s.rope_bwd(dqkv, qkv, positions, **ROPE)
-        dx, n, dgamma_partials = s.gemm_rms_bwd(dz, w_qkv, x, leaves[3], rstd, zdz, dresidual, tile_m=8)
+        dx, n, dgamma_partials = s.gemm_rms_bwd(dz, w_qkv, x, leaves[3], rstd, zdz, dresidual)
         assert dgamma_partials.shape == (math.ceil(M / 8), D)
         torch.testing.assert_close(n, h * rstd[:, None])
         da, dw_o, dres = producer_grads(s, leaves, dx)

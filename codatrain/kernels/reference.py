@@ -68,10 +68,12 @@ def _tile_sums(values: torch.Tensor, tile: int, dim: int) -> torch.Tensor:
 
 class ReferenceStages(StageBackend):
     """Pure-PyTorch stages. `logits_chunk_elements` bounds the logits block that `gemm_rstd_lse`
-    materialises at once (rows × V), so the LM head never holds M×V logits."""
+    materialises at once (rows × V), so the LM head never holds M×V logits. The partial sums
+    of `gemm_residual_rms` are over column tiles of `tile_n` columns, those of `gemm_rms_bwd`
+    over row tiles of `tile_m` rows, as a kernel with those tiles would leave them."""
 
-    def __init__(self, logits_chunk_elements: int = 1 << 24) -> None:
-        self.logits_chunk_elements = logits_chunk_elements
+    def __init__(self, logits_chunk_elements: int = 1 << 24, tile_n: int = 128, tile_m: int = 128) -> None:
+        self.logits_chunk_elements, self.tile_n, self.tile_m = logits_chunk_elements, tile_n, tile_m
 
     # ---- forward ---------------------------------------------------------------------------
 
@@ -97,13 +99,11 @@ class ReferenceStages(StageBackend):
         weight: torch.Tensor,
         residual: torch.Tensor,
         gamma: torch.Tensor,
-        *,
-        tile_n: int = 128,
     ) -> ResidualOut:
         st = stat_dtype(a.dtype)
         x = (residual.to(st) + (a @ weight.t()).to(st)).to(a.dtype)
         xs = x.to(st)  # statistics of x as written, the x the backward will read
-        return ResidualOut(x, (xs * gamma.to(st)).to(a.dtype), _tile_sums(xs.square(), tile_n, dim=1))
+        return ResidualOut(x, (xs * gamma.to(st)).to(a.dtype), _tile_sums(xs.square(), self.tile_n, dim=1))
 
     def rstd_from_partials(self, sq_partials: torch.Tensor, *, dim: int, eps: float) -> torch.Tensor:
         return torch.rsqrt(sq_partials.sum(-1) / dim + eps)
@@ -204,8 +204,6 @@ class ReferenceStages(StageBackend):
         rstd: torch.Tensor,
         zdz: torch.Tensor,
         residual_grad: torch.Tensor | None = None,
-        *,
-        tile_m: int = 128,
     ) -> RmsBwdOut:
         st = rstd.dtype
         dn = (dz @ weight).to(st)
@@ -215,7 +213,7 @@ class ReferenceStages(StageBackend):
         if residual_grad is not None:
             dx += residual_grad.to(st)
         xr = xs * r
-        return RmsBwdOut(dx.to(x.dtype), (xr * g).to(x.dtype), _tile_sums(dn * xr, tile_m, dim=0))
+        return RmsBwdOut(dx.to(x.dtype), (xr * g).to(x.dtype), _tile_sums(dn * xr, self.tile_m, dim=0))
 
     def gemm_dswiglu(self, dout: torch.Tensor, weight: torch.Tensor, preact: torch.Tensor) -> DSwigluOut:
         st = stat_dtype(dout.dtype)

@@ -173,15 +173,13 @@ class StageBackend(ABC):
         weight: torch.Tensor,
         residual: torch.Tensor,
         gamma: torch.Tensor,
-        *,
-        tile_n: int = 128,
     ) -> ResidualOut:
         """F1 (out-projection) and F3 (down-projection): GEMM + residual add + norm statistics.
 
         a (M, K); weight (d, K); residual (M, d); gamma (d,) of the norm that follows.
         Returns x = residual + a·Wᵀ, h = x ⊙ γ and sq_partials (M, P): partial sums of x² (of x
-        as written) over column tiles of width tile_n, P = ceil(d / tile_n). Consumers rely only
-        on Σ_p sq_partials[:, p]; a backend whose GEMM tile differs may return another P ≥ 1.
+        as written) over P ≥ 1 column tiles, as the backend's GEMM tiles them. Consumers rely
+        only on Σ_p sq_partials[:, p].
         """
 
     @abstractmethod
@@ -296,8 +294,6 @@ class StageBackend(ABC):
         rstd: torch.Tensor,
         zdz: torch.Tensor,
         residual_grad: torch.Tensor | None = None,
-        *,
-        tile_m: int = 128,
     ) -> RmsBwdOut:
         """RMSNorm backward in the epilogue of the dgrad GEMM of the norm's consumer (ZdZ identity).
 
@@ -307,8 +303,8 @@ class StageBackend(ABC):
         gradient reaching x through the residual path, added in the epilogue.
         With dn = dz·W: dx = rstd ⊙ (dn ⊙ γ − x ⊙ rstd · zdz/d) + residual_grad;
         n = rstd ⊙ x ⊙ γ (the A operand of the consumer's wgrad dW = dzᵀ·n);
-        dgamma_partials (P_m, d): sums of dn ⊙ x ⊙ rstd over row tiles of tile_m rows,
-        P_m = ceil(M / tile_m); dγ = dgamma_partials.sum(0). Consumers rely only on that sum.
+        dgamma_partials (P_m, d): sums of dn ⊙ x ⊙ rstd over P_m ≥ 1 row tiles, as the backend's
+        GEMM tiles them; dγ = dgamma_partials.sum(0). Consumers rely only on that sum.
         """
 
     @abstractmethod

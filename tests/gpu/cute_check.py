@@ -4,7 +4,9 @@ Criterion (DESIGN §5): on fresh random bf16 inputs, the error of a cute output 
 reference stage run in fp32 is at most twice the error of the reference stage run in bf16 (both
 as ‖out − ref‖ / ‖ref‖; a floor of 1e-6 covers outputs that bf16 cannot perturb, such as fp32
 statistics of fp32 inputs). The tests fill every output buffer a stage allocates with NaN first
-(`poison`), so an element a kernel fails to write cannot pass.
+(`poison`), so an element a kernel fails to write cannot pass. Every stage test runs the stage
+called directly and under `torch.compile(fullgraph=True)` (`use_compile`, in conftest.py; `staged`),
+as QuACK's tests do: the compiled path goes through the custom ops, the direct one around them.
 
 This module imports neither quack nor the cute backend, so collecting the tests on a machine
 without them still works (the test modules skip themselves there).
@@ -13,6 +15,7 @@ without them still works (the test modules skip themselves there).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,13 +51,19 @@ SHAPES = [
 
 
 def poison(monkeypatch, *modules) -> None:
-    """Make the `_empty(*shape, like=..., dtype=...)` allocator of each module return NaN."""
+    """Make the `empty(*shape, like=..., dtype=...)` allocator (codatrain.kernels.cute.common)
+    that each module calls return NaN."""
 
     def poisoned_empty(*shape: int, like: torch.Tensor, dtype: torch.dtype | None = None):
         return torch.full(shape, math.nan, dtype=dtype or like.dtype, device=like.device)
 
     for module in modules:
-        monkeypatch.setattr(module, "_empty", poisoned_empty)
+        monkeypatch.setattr(module, "empty", poisoned_empty)
+
+
+def staged(fn: Callable, use_compile: bool) -> Callable:
+    """`fn` itself, or `fn` under torch.compile(fullgraph=True), where a graph break raises."""
+    return torch.compile(fn, fullgraph=True, dynamic=False) if use_compile else fn
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -24,9 +24,10 @@ from cute_check import (  # noqa: E402
     randn,
     rstd_of,
     run_both,
+    staged,
 )
 
-from codatrain.kernels.cute import gemm_bwd_stages, rowwise  # noqa: E402
+from codatrain.kernels.cute import backend as cute_backend  # noqa: E402
 from codatrain.kernels.stages import IGNORE_INDEX, get_backend  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -43,7 +44,7 @@ def shape(request) -> Shape:
 
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
-    poison(monkeypatch, gemm_bwd_stages, rowwise)
+    poison(monkeypatch, cute_backend)
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +57,10 @@ def rope_kwargs(shape: Shape) -> dict:
     return {"head_dim": shape.head_dim, "rope_heads": rope_heads, "rope_theta": 500000.0}
 
 
-def test_rope_bwd(backends, shape):
+def test_rope_bwd(backends, shape, use_compile):
     cute, ref = backends
     args = (randn(shape.tokens, shape.qkv_dim), randn(shape.tokens, shape.qkv_dim), positions(shape))
-    out = cute.rope_bwd(*args, **rope_kwargs(shape))
+    out = staged(cute.rope_bwd, use_compile)(*args, **rope_kwargs(shape))
     bf16, fp32 = run_both(ref, "rope_bwd", *args, **rope_kwargs(shape))
     check("dz", out.dz, bf16.dz, fp32.dz)
     check("zdz", out.zdz, bf16.zdz, fp32.zdz)
@@ -68,39 +69,39 @@ def test_rope_bwd(backends, shape):
     assert torch.equal(out.dz[:, v_cols], args[0][:, v_cols])
 
 
-def test_rope_bwd_inverts_rope_fwd(backends, shape):
+def test_rope_bwd_inverts_rope_fwd(backends, shape, use_compile):
     """rope_bwd of the forward's RoPE output rotates it back to the unrotated GEMM output."""
     cute, _ = backends
     h, w, r = randn(shape.tokens, shape.dim), randn(shape.qkv_dim, shape.dim, scale=shape.dim**-0.5), \
         rstd_of(shape.tokens)
-    qkv = cute.gemm_rstd_rope(h, w, r, positions(shape), **rope_kwargs(shape))
+    qkv = staged(cute.gemm_rstd_rope, use_compile)(h, w, r, positions(shape), **rope_kwargs(shape))
     z = (h.float() @ w.float().t()) * r[:, None]
-    back = cute.rope_bwd(qkv, qkv, positions(shape), **rope_kwargs(shape)).dz
+    back = staged(cute.rope_bwd, use_compile)(qkv, qkv, positions(shape), **rope_kwargs(shape)).dz
     assert ((back.float() - z).norm() / z.norm()).item() < 1e-2
 
 
-def test_row_dot(backends, shape):
+def test_row_dot(backends, shape, use_compile):
     cute, ref = backends
     args = (randn(shape.tokens, shape.qkv_dim), randn(shape.tokens, shape.qkv_dim))
     bf16, fp32 = run_both(ref, "row_dot", *args)
-    check("zdz", cute.row_dot(*args), bf16, fp32)
+    check("zdz", staged(cute.row_dot, use_compile)(*args), bf16, fp32)
 
 
 @pytest.mark.parametrize("residual", [True, False], ids=["residual", "last"])
-def test_gemm_rms_bwd(backends, shape, residual):
+def test_gemm_rms_bwd(backends, shape, residual, use_compile):
     """The QKV consumer (N = N_qkv) with the residual gradient, and without one (the final norm)."""
     cute, ref = backends
     m, d, n = shape.tokens, shape.dim, shape.qkv_dim
     args = (randn(m, n), randn(n, d, scale=n**-0.5), randn(m, d), gamma(d), rstd_of(m),
             torch.randn(m, device=DEVICE) * d**0.5, randn(m, d) if residual else None)
-    out = cute.gemm_rms_bwd(*args)
+    out = staged(cute.gemm_rms_bwd, use_compile)(*args)
     bf16, fp32 = run_both(ref, "gemm_rms_bwd", *args)
     check("dx", out.dx, bf16.dx, fp32.dx)
     check("n", out.n, bf16.n, fp32.n)
     check("dgamma", out.dgamma_partials.sum(0), bf16.dgamma_partials.sum(0), fp32.dgamma_partials.sum(0))
 
 
-def test_gemm_rms_bwd_on_unaligned_row_slices(backends):
+def test_gemm_rms_bwd_on_unaligned_row_slices(backends, use_compile):
     """The LM-head backward passes row slices of rstd and zdz that start off 16-byte alignment."""
     cute, ref = backends
     s = SHAPES[1]
@@ -109,23 +110,23 @@ def test_gemm_rms_bwd_on_unaligned_row_slices(backends):
     rstd, zdz = rstd_of(m), torch.randn(m, device=DEVICE) * d**0.5
     rows = slice(HEAD_CHUNK_ROWS, None)
     assert rstd[rows].data_ptr() % 16
-    out = cute.gemm_rms_bwd(dz[rows], w, x[rows], g, rstd[rows], zdz[rows])
+    out = staged(cute.gemm_rms_bwd, use_compile)(dz[rows], w, x[rows], g, rstd[rows], zdz[rows])
     bf16, fp32 = run_both(ref, "gemm_rms_bwd", dz[rows], w, x[rows], g, rstd[rows], zdz[rows])
     check("dx", out.dx, bf16.dx, fp32.dx)
 
 
-def test_gemm_dswiglu(backends, shape):
+def test_gemm_dswiglu(backends, shape, use_compile):
     cute, ref = backends
     m, d, f = shape.tokens, shape.dim, shape.ffn_dim
     args = (randn(m, d), randn(d, f, scale=d**-0.5), randn(m, 2 * f, scale=2.0))
-    out = cute.gemm_dswiglu(*args)
+    out = staged(cute.gemm_dswiglu, use_compile)(*args)
     bf16, fp32 = run_both(ref, "gemm_dswiglu", *args)
     check("dpreact", out.dpreact, bf16.dpreact, fp32.dpreact)
     check("y", out.y, bf16.y, fp32.y)
     check("zdz", out.zdz, bf16.zdz, fp32.zdz)
 
 
-def test_gemm_rstd_ce_bwd(backends, shape):
+def test_gemm_rstd_ce_bwd(backends, shape, use_compile):
     """One LM-head chunk: logits recomputed, dlogits, ZdZ; ignored rows get zero gradients."""
     cute, ref = backends
     m = min(shape.tokens, HEAD_CHUNK_ROWS)
@@ -136,30 +137,30 @@ def test_gemm_rstd_ce_bwd(backends, shape):
     lse = ref.gemm_rstd_lse(h.float(), w.float(), r, targets).lse
     grad_scale = torch.tensor(1.0 / (~ignored).sum().item(), device=DEVICE)
     args = (h, w, r, targets, lse, grad_scale)
-    out = cute.gemm_rstd_ce_bwd(*args)
+    out = staged(cute.gemm_rstd_ce_bwd, use_compile)(*args)
     bf16, fp32 = run_both(ref, "gemm_rstd_ce_bwd", *args)
     check("dlogits", out.dlogits, bf16.dlogits, fp32.dlogits)
     check("zdz", out.zdz, bf16.zdz, fp32.zdz)
     assert (out.dlogits[ignored] == 0).all() and (out.zdz[ignored] == 0).all()
 
 
-def test_dgrad(backends, shape):
+def test_dgrad(backends, shape, use_compile):
     cute, ref = backends
     k = shape.n_heads * shape.head_dim
     args = (randn(shape.tokens, shape.dim), randn(shape.dim, k, scale=shape.dim**-0.5))
     bf16, fp32 = run_both(ref, "dgrad", *args)
-    check("dgrad", cute.dgrad(*args), bf16, fp32)
+    check("dgrad", staged(cute.dgrad, use_compile)(*args), bf16, fp32)
 
 
-def test_wgrad(backends, shape):
+def test_wgrad(backends, shape, use_compile):
     """dW_down = doutᵀ·y: contracts over the M tokens (ragged M is a ragged K here)."""
     cute, ref = backends
     args = (randn(shape.tokens, shape.dim), randn(shape.tokens, shape.ffn_dim))
     bf16, fp32 = run_both(ref, "wgrad", *args)
-    check("wgrad", cute.wgrad(*args), bf16, fp32)
+    check("wgrad", staged(cute.wgrad, use_compile)(*args), bf16, fp32)
 
 
-def test_wgrad_accumulates_in_fp32(backends, shape):
+def test_wgrad_accumulates_in_fp32(backends, shape, use_compile):
     """Two chunks of rows summed into an fp32 gradient, as the LM-head backward does."""
     cute, ref = backends
     m = min(shape.tokens, 2 * HEAD_CHUNK_ROWS)
@@ -168,19 +169,20 @@ def test_wgrad_accumulates_in_fp32(backends, shape):
     outs = []
     for backend, cast in ((cute, torch.bfloat16), (ref, torch.bfloat16), (ref, torch.float32)):
         acc = start.clone()
+        wgrad = staged(backend.wgrad, use_compile) if backend is cute else backend.wgrad
         for rows in (slice(0, m // 2), slice(m // 2, m)):
-            result = backend.wgrad(dz[rows].to(cast), a[rows].to(cast), accumulate_into=acc)
+            result = wgrad(dz[rows].to(cast), a[rows].to(cast), accumulate_into=acc)
             assert result is acc
         outs.append(acc)
     check("wgrad+=", *outs)
 
 
-def test_entry_bwd(backends, shape):
+def test_entry_bwd(backends, shape, use_compile):
     """Token ids drawn from a small range, so many rows add into the same embedding row."""
     cute, ref = backends
     tokens = torch.randint(0, 1000, (shape.tokens,), device=DEVICE)
     dx = randn(shape.tokens, shape.dim)
-    cute_out = cute.entry_bwd(dx, tokens, num_embeddings=shape.vocab)
+    cute_out = staged(cute.entry_bwd, use_compile)(dx, tokens, num_embeddings=shape.vocab)
     bf16, fp32 = run_both(ref, "entry_bwd", dx, tokens, num_embeddings=shape.vocab)
     check("dembedding", cute_out, bf16, fp32)
     assert (cute_out[1000:] == 0).all()

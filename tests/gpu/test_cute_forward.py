@@ -25,10 +25,11 @@ from cute_check import (  # noqa: E402
     randn,
     rstd_of,
     run_both,
+    staged,
 )
 
 from codatrain.kernels.attention import get_attention, sdpa_attention  # noqa: E402
-from codatrain.kernels.cute import entry as cute_entry  # noqa: E402
+from codatrain.kernels.cute import backend as cute_backend  # noqa: E402
 from codatrain.kernels.cute import gemm_stages  # noqa: E402
 from codatrain.kernels.cute.attention import fa4_attention  # noqa: E402
 from codatrain.kernels.resolve import ResolvedBlock, resolve_block  # noqa: E402
@@ -44,13 +45,9 @@ def shape(request) -> Shape:
 
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
-    """Fill every output buffer the cute stages allocate with NaN before the kernel runs."""
-
-    def poisoned_entry_empty(*shape: int, dtype: torch.dtype, device: torch.device):
-        return torch.full(shape, math.nan, dtype=dtype, device=device)
-
-    poison(monkeypatch, gemm_stages)
-    monkeypatch.setattr(cute_entry, "_empty", poisoned_entry_empty)
+    """Fill every output buffer the cute stages allocate with NaN before the kernel runs: the
+    outputs (backend.py) and the LM head's LSE partials (gemm_stages.py)."""
+    poison(monkeypatch, cute_backend, gemm_stages)
 
 
 @pytest.fixture(scope="module")
@@ -70,19 +67,19 @@ def test_cute_is_selected_on_sm90():
 
 
 @pytest.mark.parametrize("emb_dtype", [torch.bfloat16, torch.float32], ids=["bf16_table", "fp32_table"])
-def test_entry(backends, shape, emb_dtype):
+def test_entry(backends, shape, emb_dtype, use_compile):
     cute, ref = backends
     tokens = torch.randint(0, shape.vocab, (shape.tokens,), device=DEVICE)
     embedding = torch.randn(shape.vocab, shape.dim, device=DEVICE, dtype=emb_dtype)
     g = gamma(shape.dim).to(emb_dtype)
-    out = cute.entry(tokens, embedding, g, eps=EPS, dtype=torch.bfloat16)
+    out = staged(cute.entry, use_compile)(tokens, embedding, g, eps=EPS, dtype=torch.bfloat16)
     bf16 = ref.entry(tokens, embedding, g, eps=EPS, dtype=torch.bfloat16)
     fp32 = ref.entry(tokens, embedding.float(), g.float(), eps=EPS, dtype=torch.float32)
     for field in ("x", "h", "rstd"):
         check(f"entry.{field}", getattr(out, field), getattr(bf16, field), getattr(fp32, field))
 
 
-def test_entry_from_unaligned_views(backends):
+def test_entry_from_unaligned_views(backends, use_compile):
     """Parameters that are views into a flat buffer need not start on a 16-byte boundary."""
     cute, ref = backends
     s = SHAPES[1]
@@ -90,19 +87,19 @@ def test_entry_from_unaligned_views(backends):
     embedding, g = flat[1 : 1 + s.vocab * s.dim].view(s.vocab, s.dim), flat[-s.dim :]
     assert embedding.data_ptr() % 16 and g.data_ptr() % 16
     tokens = torch.randint(0, s.vocab, (s.tokens,), device=DEVICE)
-    out = cute.entry(tokens, embedding, g, eps=EPS, dtype=torch.bfloat16)
+    out = staged(cute.entry, use_compile)(tokens, embedding, g, eps=EPS, dtype=torch.bfloat16)
     expected = ref.entry(tokens, embedding, g, eps=EPS, dtype=torch.bfloat16)
     torch.testing.assert_close(out.x, expected.x, rtol=0, atol=0)
     torch.testing.assert_close(out.h, expected.h)
     torch.testing.assert_close(out.rstd, expected.rstd)
 
 
-def test_gemm_residual_rms(backends, shape):
+def test_gemm_residual_rms(backends, shape, use_compile):
     cute, ref = backends
     k = shape.n_heads * shape.head_dim
     args = (randn(shape.tokens, k), randn(shape.dim, k, scale=k**-0.5), randn(shape.tokens, shape.dim),
             gamma(shape.dim))
-    out = cute.gemm_residual_rms(*args)
+    out = staged(cute.gemm_residual_rms, use_compile)(*args)
     bf16, fp32 = run_both(ref, "gemm_residual_rms", *args)
     check("x", out.x, bf16.x, fp32.x)
     check("h", out.h, bf16.h, fp32.h)
@@ -110,48 +107,48 @@ def test_gemm_residual_rms(backends, shape):
     check("sum(sq_partials)", out.sq_partials.sum(-1), bf16.sq_partials.sum(-1), fp32.sq_partials.sum(-1))
 
 
-def test_rstd_from_partials(backends, shape):
+def test_rstd_from_partials(backends, shape, use_compile):
     cute, ref = backends
     partials = torch.rand(shape.tokens, math.ceil(shape.dim / 192), device=DEVICE) * 100
     # rms_final_reduce allocates rstd itself: leave a NaN block of that size in the allocator's
     # cache, which the next allocation of the same size takes.
     del_me = torch.full((shape.tokens,), math.nan, device=DEVICE)
     del del_me
-    out = cute.rstd_from_partials(partials, dim=shape.dim, eps=EPS)
+    out = staged(cute.rstd_from_partials, use_compile)(partials, dim=shape.dim, eps=EPS)
     fp32 = ref.rstd_from_partials(partials, dim=shape.dim, eps=EPS)
     check("rstd", out, fp32, ref.rstd_from_partials(partials.double(), dim=shape.dim, eps=EPS))
 
 
-def test_gemm_rstd_swiglu(backends, shape):
+def test_gemm_rstd_swiglu(backends, shape, use_compile):
     cute, ref = backends
     args = (randn(shape.tokens, shape.dim), randn(2 * shape.ffn_dim, shape.dim, scale=shape.dim**-0.5),
             rstd_of(shape.tokens))
-    out = cute.gemm_rstd_swiglu(*args)
+    out = staged(cute.gemm_rstd_swiglu, use_compile)(*args)
     bf16, fp32 = run_both(ref, "gemm_rstd_swiglu", *args)
     check("preact", out.preact, bf16.preact, fp32.preact)
     check("y", out.y, bf16.y, fp32.y)
 
 
-def test_gemm_rstd_rope(backends, shape):
+def test_gemm_rstd_rope(backends, shape, use_compile):
     cute, ref = backends
     args = (randn(shape.tokens, shape.dim), randn(shape.qkv_dim, shape.dim, scale=shape.dim**-0.5),
             rstd_of(shape.tokens), positions(shape))
     kwargs = dict(head_dim=shape.head_dim, rope_heads=shape.n_heads + shape.n_kv_heads, rope_theta=500000.0)
-    out = cute.gemm_rstd_rope(*args, **kwargs)
+    out = staged(cute.gemm_rstd_rope, use_compile)(*args, **kwargs)
     bf16, fp32 = run_both(ref, "gemm_rstd_rope", *args, **kwargs)
     check("qkv", out, bf16, fp32)
 
 
-def test_gemm_rstd(backends, shape):
+def test_gemm_rstd(backends, shape, use_compile):
     cute, ref = backends
     rows = min(shape.tokens, 2048)  # full logits are M × V; a slice of rows covers the tiles
     args = (randn(rows, shape.dim), randn(shape.vocab, shape.dim, scale=shape.dim**-0.5), rstd_of(rows))
-    out = cute.gemm_rstd(*args)
+    out = staged(cute.gemm_rstd, use_compile)(*args)
     bf16, fp32 = run_both(ref, "gemm_rstd", *args)
     check("logits", out, bf16, fp32)
 
 
-def test_gemm_rstd_lse(backends, shape):
+def test_gemm_rstd_lse(backends, shape, use_compile):
     cute, ref = backends
     targets = torch.randint(0, shape.vocab, (shape.tokens,), device=DEVICE)
     ignored = torch.rand(shape.tokens, device=DEVICE) < 0.1
@@ -159,7 +156,7 @@ def test_gemm_rstd_lse(backends, shape):
     # Logits of a few units, as a trained LM head produces.
     args = (randn(shape.tokens, shape.dim), randn(shape.vocab, shape.dim, scale=3 * shape.dim**-0.5),
             rstd_of(shape.tokens), targets)
-    out = cute.gemm_rstd_lse(*args)
+    out = staged(cute.gemm_rstd_lse, use_compile)(*args)
     bf16, fp32 = run_both(ref, "gemm_rstd_lse", *args)
     check("lse", out.lse, bf16.lse, fp32.lse)
     check("target_logit", out.target_logit, bf16.target_logit, fp32.target_logit)

@@ -12,12 +12,9 @@ rounded once to the activation dtype.
 
 from __future__ import annotations
 
-import math
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-import torch
 from cutlass import Float32, const_expr
 from quack.cache import jit_cache
 from quack.compile_utils import make_fake_stream, make_fake_tensor
@@ -26,6 +23,7 @@ from quack.cute_dsl_utils import torch2cute_dtype_map
 from quack.reduce import row_reduce
 from torch import Tensor
 
+from codatrain.kernels.cute.common import RowTiling, aligned16, copy_masked
 from codatrain.kernels.cute.torch_op import stage_op
 
 _MAX_THREADS = 128
@@ -34,19 +32,15 @@ _MAX_THREADS = 128
 class EntryKernel:
     """x = E[tok], h = x ⊙ γ, rstd = (mean x² + eps)^-1/2 for one row per CTA.
 
-    Columns are split into `vec`-element vectors (16 bytes for the widest dtype involved);
-    thread t owns vectors t, t + threads, … of the row. `tile_n` rounds the row up to a whole
-    number of such sweeps; vectors past `dim` are masked off and count as zeros in the sum.
+    The row is tiled in 16-byte vectors of the widest dtype involved (`RowTiling`); vectors
+    past `dim` are masked off and count as zeros in the sum.
     """
 
     def __init__(self, emb_dtype: type, out_dtype: type, gamma_dtype: type, dim: int) -> None:
         self.emb_dtype, self.out_dtype, self.gamma_dtype, self.dim = emb_dtype, out_dtype, gamma_dtype, dim
         widest = max(emb_dtype.width, out_dtype.width, gamma_dtype.width)
-        self.vec = math.gcd(dim, 128 // widest)
-        vectors = dim // self.vec
-        self.num_threads = min(_MAX_THREADS, 32 * math.ceil(vectors / 32))
-        self.steps = math.ceil(vectors / self.num_threads)
-        self.tile_n = self.steps * self.num_threads * self.vec
+        t = RowTiling.of(dim, 128 // widest, _MAX_THREADS)
+        self.vec, self.num_threads, self.steps, self.tile_n = t.vec, t.num_threads, t.steps, t.tile_n
 
     @cute.jit
     def __call__(
@@ -110,10 +104,8 @@ class EntryKernel:
         emb_atom = get_copy_atom(self.emb_dtype, self.vec)
         gamma_atom = get_copy_atom(self.gamma_dtype, self.vec)
         out_atom = get_copy_atom(self.out_dtype, self.vec)
-        for step in cutlass.range_constexpr(self.steps):
-            if tCol[0, step] < self.dim:
-                cute.copy(emb_atom, tEg[None, step], tEr[None, step])
-                cute.copy(gamma_atom, tGg[None, step], tGr[None, step])
+        copy_masked(emb_atom, tEg, tEr, tCol, self.dim, self.steps)
+        copy_masked(gamma_atom, tGg, tGr, tCol, self.dim, self.steps)
 
         # Round to the activation dtype first: h and rstd describe x as written.
         x = tEr.load().to(self.out_dtype)
@@ -122,10 +114,8 @@ class EntryKernel:
         tHr = cute.make_rmem_tensor_like(tHg)
         tXr.store(x)
         tHr.store((xf * tGr.load().to(Float32)).to(self.out_dtype))
-        for step in cutlass.range_constexpr(self.steps):
-            if tCol[0, step] < self.dim:
-                cute.copy(out_atom, tXr[None, step], tXg[None, step])
-                cute.copy(out_atom, tHr[None, step], tHg[None, step])
+        copy_masked(out_atom, tXr, tXg, tCol, self.dim, self.steps)
+        copy_masked(out_atom, tHr, tHg, tCol, self.dim, self.steps)
 
         sum_sq = row_reduce(xf * xf, cute.ReductionOp.ADD, self.num_threads, reduction_buffer)
         if tidx == 0:
@@ -150,47 +140,21 @@ def compile_entry(tok_dtype: type, emb_dtype: type, out_dtype: type, gamma_dtype
     )
 
 
-def _empty(*shape: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    return torch.empty(shape, dtype=dtype, device=device)
-
-
-def _entry_outputs(tokens: Tensor, embedding: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    m, dim, device = tokens.shape[0], embedding.shape[1], embedding.device
-    x = _empty(m, dim, dtype=dtype, device=device)
-    h = _empty(m, dim, dtype=dtype, device=device)
-    return x, h, _empty(m, dtype=torch.float32, device=device)
-
-
-def _entry_fake(tokens: Tensor, embedding: Tensor, gamma: Tensor, eps: float, dtype: torch.dtype):
-    return _entry_outputs(tokens, embedding, dtype)
-
-
-@stage_op("cute_entry", _entry_fake)
-def _entry(
-    tokens: Tensor, embedding: Tensor, gamma: Tensor, eps: float, dtype: torch.dtype
-) -> tuple[Tensor, Tensor, Tensor]:
-    x, h, rstd = _entry_outputs(tokens, embedding, dtype)
-    # The kernel loads 16-byte vectors; a view that starts off that alignment (a parameter inside
-    # a flat buffer, say) is copied first.
-    embedding, gamma = (t if t.data_ptr() % 16 == 0 else t.clone() for t in (embedding, gamma))
+@stage_op("cute_entry", mutates_args=("x", "h", "rstd"))
+def entry(
+    tokens: Tensor, embedding: Tensor, gamma: Tensor, x: Tensor, h: Tensor, rstd: Tensor, eps: float
+) -> None:
+    """x = embedding[tokens] in x's dtype, h = x ⊙ γ and rstd (fp32) of x as written.
+    tokens contiguous; embedding (V, d) and gamma contiguous."""
+    embedding, gamma = aligned16(embedding), aligned16(gamma)
     compiled = compile_entry(
         torch2cute_dtype_map[tokens.dtype],
         torch2cute_dtype_map[embedding.dtype],
-        torch2cute_dtype_map[dtype],
+        torch2cute_dtype_map[x.dtype],
         torch2cute_dtype_map[gamma.dtype],
         embedding.shape[1],
     )
     compiled(tokens, embedding, gamma, x, h, rstd, eps)
-    return x, h, rstd
-
-
-def entry(
-    tokens: Tensor, embedding: Tensor, gamma: Tensor, *, eps: float, dtype: torch.dtype
-) -> tuple[Tensor, Tensor, Tensor]:
-    """x = embedding[tokens] in `dtype`, h = x ⊙ γ and rstd (fp32) of x as written."""
-    if not (embedding.is_contiguous() and gamma.is_contiguous()):
-        raise ValueError("cute entry: the embedding table and gamma must be contiguous")
-    return _entry(tokens.contiguous(), embedding, gamma, eps, dtype)
 
 
 # ---- backward ------------------------------------------------------------------------------------
@@ -199,17 +163,14 @@ def entry(
 class EntryBwdKernel:
     """grad[tok[m], :] += dx[m, :] in fp32 for one row m per CTA.
 
-    The dx row is loaded in `vec`-element (16-byte) vectors as in the forward; each element then
-    goes to the table with one fp32 atomic add (its unused old value lets ptxas emit a RED).
+    The dx row is loaded in 16-byte vectors as in the forward; each element then goes to the
+    table with one fp32 atomic add (its unused old value lets ptxas emit a RED).
     """
 
     def __init__(self, dx_dtype: type, dim: int) -> None:
         self.dx_dtype, self.dim = dx_dtype, dim
-        self.vec = math.gcd(dim, 128 // dx_dtype.width)
-        vectors = dim // self.vec
-        self.num_threads = min(_MAX_THREADS, 32 * math.ceil(vectors / 32))
-        self.steps = math.ceil(vectors / self.num_threads)
-        self.tile_n = self.steps * self.num_threads * self.vec
+        t = RowTiling.of(dim, 128 // dx_dtype.width, _MAX_THREADS)
+        self.vec, self.num_threads, self.steps, self.tile_n = t.vec, t.num_threads, t.steps, t.tile_n
 
     @cute.jit
     def __call__(self, mTok: cute.Tensor, mDx: cute.Tensor, mGrad: cute.Tensor, stream: cuda.CUstream):
@@ -229,10 +190,7 @@ class EntryBwdKernel:
         tCol = part.partition_S(gCol)
         tDr = cute.make_rmem_tensor_like(tDg)
         tDr.fill(0)
-        atom = get_copy_atom(self.dx_dtype, self.vec)
-        for step in cutlass.range_constexpr(self.steps):
-            if tCol[0, step] < self.dim:
-                cute.copy(atom, tDg[None, step], tDr[None, step])
+        copy_masked(get_copy_atom(self.dx_dtype, self.vec), tDg, tDr, tCol, self.dim, self.steps)
 
         grad_row = mGrad[mTok[row], None].iterator
         for step in cutlass.range_constexpr(self.steps):
@@ -255,20 +213,8 @@ def compile_entry_bwd(tok_dtype: type, dx_dtype: type, dim: int):
     )
 
 
-def _entry_bwd_fake(dx: Tensor, tokens: Tensor, num_embeddings: int):
-    return _empty(num_embeddings, dx.shape[1], dtype=dx.dtype, device=dx.device)
-
-
-@stage_op("cute_entry_bwd", _entry_bwd_fake)
-def _entry_bwd(dx: Tensor, tokens: Tensor, num_embeddings: int) -> Tensor:
-    # The table starts at zero: rows of tokens absent from the batch get no gradient.
-    grad = torch.zeros(num_embeddings, dx.shape[1], dtype=torch.float32, device=dx.device)
+@stage_op("cute_entry_bwd", mutates_args=("grad",))
+def entry_bwd(dx: Tensor, tokens: Tensor, grad: Tensor) -> None:
+    """grad (V, d) fp32 += the dx rows of each token, in its row; dx and tokens contiguous."""
     dtypes = torch2cute_dtype_map[tokens.dtype], torch2cute_dtype_map[dx.dtype]
     compile_entry_bwd(*dtypes, dx.shape[1])(tokens, dx, grad)
-    return grad.to(dx.dtype)
-
-
-def entry_bwd(dx: Tensor, tokens: Tensor, *, num_embeddings: int) -> Tensor:
-    """dembedding (num_embeddings, d) in dx's dtype: row v = Σ of the dx rows of token v, summed
-    in fp32 and rounded once."""
-    return _entry_bwd(dx.contiguous(), tokens.contiguous(), num_embeddings)

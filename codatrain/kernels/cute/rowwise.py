@@ -13,8 +13,6 @@ the rotation the forward applied. Zero-frequency (v) columns rotate by angle 0, 
 
 from __future__ import annotations
 
-import math
-
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -30,6 +28,7 @@ from quack.epilogue.rotary import _sincos_turns
 from quack.reduce import row_reduce
 from torch import Tensor
 
+from codatrain.kernels.cute.common import RowTiling, copy_masked
 from codatrain.kernels.cute.gemm_stages import rope_freq
 from codatrain.kernels.cute.torch_op import stage_op
 
@@ -41,18 +40,14 @@ class RowDotKernel:
     adjacent column pair (x1, x2) rotated by −angle: (x1·c + x2·s, x2·c − x1·s), where the angle
     of pair (2j, 2j+1) in row m is pos[m]·(freq[2j] + freq[2j+1]) turns (a float-float split).
 
-    Columns are split into 4-element vectors (two rotation pairs, 16 bytes of the fp32 frequency
-    table); thread t owns vectors t, t + threads, …; vectors past `n` are masked off and count
-    as zeros in the sum.
+    The row is tiled in 4-element vectors (two rotation pairs, 16 bytes of the fp32 frequency
+    table; `RowTiling`); vectors past `n` are masked off and count as zeros in the sum.
     """
 
     def __init__(self, dtype: type, n: int, rotate: bool) -> None:
         self.dtype, self.n, self.rotate = dtype, n, rotate
-        self.vec = math.gcd(n, 4)
-        vectors = n // self.vec
-        self.num_threads = min(_MAX_THREADS, 32 * math.ceil(vectors / 32))
-        self.steps = math.ceil(vectors / self.num_threads)
-        self.tile_n = self.steps * self.num_threads * self.vec
+        t = RowTiling.of(n, 4, _MAX_THREADS)
+        self.vec, self.num_threads, self.steps, self.tile_n = t.vec, t.num_threads, t.steps, t.tile_n
 
     @cute.jit
     def __call__(
@@ -101,10 +96,8 @@ class RowDotKernel:
         tAr.fill(0)
         tBr.fill(0)
         atom = get_copy_atom(self.dtype, self.vec)
-        for step in cutlass.range_constexpr(self.steps):
-            if tCol[0, step] < self.n:
-                cute.copy(atom, tAg[None, step], tAr[None, step])
-                cute.copy(atom, tBg[None, step], tBr[None, step])
+        copy_masked(atom, tAg, tAr, tCol, self.n, self.steps)
+        copy_masked(atom, tBg, tBr, tCol, self.n, self.steps)
 
         if const_expr(self.rotate):
             # Same thread partition in fp32: thread t gets the frequencies of its own columns.
@@ -112,10 +105,7 @@ class RowDotKernel:
             tFg = part_freq.partition_S(cute.local_tile(mFreq, tiler, (0,)))
             tFr = cute.make_rmem_tensor_like(tFg)
             tFr.fill(0)
-            freq_atom = get_copy_atom(Float32, self.vec)
-            for step in cutlass.range_constexpr(self.steps):
-                if tCol[0, step] < self.n:
-                    cute.copy(freq_atom, tFg[None, step], tFr[None, step])
+            copy_masked(get_copy_atom(Float32, self.vec), tFg, tFr, tCol, self.n, self.steps)
 
             pos = mPos[row]
             tRot = cute.make_rmem_tensor_like(tFr)
@@ -135,9 +125,7 @@ class RowDotKernel:
             tOg = part.partition_D(gOut)
             tOr = cute.make_rmem_tensor_like(tOg)
             tOr.store(tRot.load().to(self.dtype))
-            for step in cutlass.range_constexpr(self.steps):
-                if tCol[0, step] < self.n:
-                    cute.copy(atom, tOr[None, step], tOg[None, step])
+            copy_masked(atom, tOr, tOg, tCol, self.n, self.steps)
 
         dot = row_reduce(
             tAr.load().to(Float32) * tBr.load().to(Float32),
@@ -167,45 +155,21 @@ def compile_row_dot(dtype: type, n: int, rotate: bool):
     )
 
 
-def _empty(*shape: int, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
-
-
-def _rope_bwd_fake(dqkv, qkv, positions, head_dim, rope_heads, rope_theta):
-    return _empty(*dqkv.shape, like=dqkv), _empty(dqkv.shape[0], like=dqkv, dtype=torch.float32)
-
-
-@stage_op("cute_rope_bwd", _rope_bwd_fake)
-def _rope_bwd(
-    dqkv: Tensor, qkv: Tensor, positions: Tensor, head_dim: int, rope_heads: int, rope_theta: float
-) -> tuple[Tensor, Tensor]:
-    m, n = dqkv.shape
-    dz, zdz = _empty(m, n, like=dqkv), _empty(m, like=dqkv, dtype=torch.float32)
+@stage_op("cute_rope_bwd", mutates_args=("dz", "zdz"))
+def rope_bwd(
+    dqkv: Tensor, qkv: Tensor, positions: Tensor, dz: Tensor, zdz: Tensor, head_dim: int, rope_heads: int,
+    rope_theta: float,
+) -> None:
+    """dz = dqkv rotated back by −angle on the first rope_heads heads, zdz (M,) fp32 = Σ qkv·dqkv;
+    dqkv and qkv contiguous."""
+    n = dqkv.shape[1]
     compiled = compile_row_dot(torch2cute_dtype_map[dqkv.dtype], n, True)
     freq = rope_freq(head_dim, rope_heads, n, rope_theta, dqkv.device)
     # Positions are exact in fp32 up to 2^24, as in the forward epilogue.
     compiled(qkv, dqkv, positions.to(torch.float32), freq, dz, zdz)
-    return dz, zdz
 
 
-def rope_bwd(
-    dqkv: Tensor, qkv: Tensor, positions: Tensor, *, head_dim: int, rope_heads: int, rope_theta: float
-) -> tuple[Tensor, Tensor]:
-    """dz = dqkv rotated back by −angle on the first rope_heads heads, zdz (M,) fp32 = Σ qkv·dqkv."""
-    return _rope_bwd(dqkv.contiguous(), qkv.contiguous(), positions, head_dim, rope_heads, float(rope_theta))
-
-
-def _row_dot_fake(z, dz):
-    return _empty(z.shape[0], like=z, dtype=torch.float32)
-
-
-@stage_op("cute_row_dot", _row_dot_fake)
-def _row_dot(z: Tensor, dz: Tensor) -> Tensor:
-    zdz = _empty(z.shape[0], like=z, dtype=torch.float32)
+@stage_op("cute_row_dot", mutates_args=("zdz",))
+def row_dot(z: Tensor, dz: Tensor, zdz: Tensor) -> None:
+    """zdz (M,) fp32 = Σ_n z·dz; z and dz contiguous."""
     compile_row_dot(torch2cute_dtype_map[z.dtype], z.shape[1], False)(z, dz, None, None, None, zdz)
-    return zdz
-
-
-def row_dot(z: Tensor, dz: Tensor) -> Tensor:
-    """zdz (M,) fp32 = Σ_n z·dz."""
-    return _row_dot(z.contiguous(), dz.contiguous())
