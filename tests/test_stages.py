@@ -1,6 +1,7 @@
 """The stage API and its reference backend: forward conventions, and every backward stage against
 torch.autograd of the forward stages it inverts (fp64)."""
 
+import importlib.util
 import math
 
 import pytest
@@ -249,3 +250,44 @@ def test_attention_registry_on_cpu():
     assert get_attention("sdpa", torch.device("cpu")) is sdpa_attention
     with pytest.raises(BackendUnavailableError, match="'fa4'"):
         get_attention("fa4", torch.device("cpu"))
+
+
+# ---- the cute backend without a GPU ------------------------------------------------------------
+
+
+def test_cute_stages_trace_under_compile():
+    """Every cute stage traces under torch.compile(fullgraph=True) on meta tensors: the methods
+    allocate their outputs and the out-style custom ops need no fake of their own. Outputs match
+    the reference stages' shapes and dtypes (partial sums aside: their count is the kernel's)."""
+    cute_extras = ("cutlass", "quack", "flash_attn")
+    if not all(importlib.util.find_spec(name) for name in cute_extras):
+        pytest.skip("needs the cuda extras")
+    from codatrain.kernels.cute import CuteStages
+
+    cute, ref = CuteStages(), ReferenceStages()
+    m, d, f, v, pairs = 64, 32, 48, 96, {"head_dim": 8, "rope_heads": 3, "rope_theta": THETA}
+    act = {"dtype": torch.bfloat16, "device": "meta"}
+    h, x, w_gu, w_down = torch.empty(m, d, **act), torch.empty(m, d, **act), torch.empty(2 * f, d, **act), \
+        torch.empty(d, f, **act)
+    w_qkv, w_lm, gamma = torch.empty(32, d, **act), torch.empty(v, d, **act), torch.empty(d, **act)
+    rstd, scale = torch.empty(m, device="meta"), torch.empty((), device="meta")
+    tokens = torch.empty(m, dtype=torch.long, device="meta")
+
+    def stages(s):
+        e = s.entry(tokens, w_lm, gamma, eps=EPS, dtype=torch.bfloat16)
+        preact, y = s.gemm_rstd_swiglu(h, w_gu, rstd)
+        x2, h2, _ = s.gemm_residual_rms(y, w_down, x, gamma)
+        qkv = s.gemm_rstd_rope(h2, w_qkv, rstd, tokens, **pairs)
+        lse, target_logit = s.gemm_rstd_lse(h2, w_lm, rstd, tokens)
+        dz, zdz = s.rope_bwd(qkv, qkv, tokens, **pairs)
+        dx, n, _ = s.gemm_rms_bwd(dz, w_qkv, x2, gamma, rstd, zdz, x)
+        dpreact, y2, zdz2 = s.gemm_dswiglu(dx, w_down, preact)
+        dlogits, zdz3 = s.gemm_rstd_ce_bwd(h2, w_lm, rstd, tokens, lse, scale)
+        dw = s.wgrad(dx, x, accumulate_into=torch.zeros(d, d, device="meta"))
+        return (*e, preact, y, x2, h2, qkv, lse, target_logit, dz, zdz, dx, n, dpreact, y2, zdz2, dlogits,
+                zdz3, dw, s.gemm_rstd(h2, w_lm, rstd), s.row_dot(qkv, qkv), s.dgrad(dx, w_qkv.t()),
+                s.entry_bwd(dx, tokens, num_embeddings=v))
+
+    compiled = torch.compile(lambda: stages(cute), fullgraph=True, backend="eager")()
+    expected = stages(ref)
+    assert [(t.shape, t.dtype) for t in compiled] == [(t.shape, t.dtype) for t in expected]
