@@ -12,7 +12,7 @@ from codatrain.model import Llama
 from codatrain.model.hf import HFCheckpoint
 from codatrain.train.checkpoint import export_checkpoint_to_hf, inspect_checkpoint
 from codatrain.train.distributed import init_distributed
-from codatrain.train.metrics import read_losses
+from codatrain.train.logger import read_losses
 from codatrain.train.trainer import NonFiniteError, Trainer, train
 
 STEPS = 8
