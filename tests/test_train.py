@@ -1,6 +1,8 @@
 """The training loop end to end on CPU: in-process runs and FSDP2 under torchrun (gloo)."""
 
 
+from pathlib import Path
+
 import pytest
 
 from codatrain.config import load_config
@@ -122,3 +124,12 @@ def test_coda_header_names_the_kernels(tmp_path, capsys):
         "model.n_layers=1")
     header = capsys.readouterr().out.splitlines()[0]
     assert header.startswith("codatrain | block=coda (stages reference, attention sdpa) | tiny: ")
+
+
+def test_readme_multiprocess_example_has_its_own_run_dir():
+    """Run after `python scripts/train.py`, a torchrun line without its own run dir would resume the
+    finished tiny run and train nothing."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    command = "torchrun --nproc_per_node=2 scripts/train.py"
+    lines = [line for line in readme.splitlines() if line.startswith(command)]
+    assert lines and all("train.run_dir=" in line for line in lines)

@@ -1,4 +1,4 @@
-"""Throughput, TFLOP/s and MFU (DESIGN §6), and peak memory.
+"""Throughput, TFLOP/s and MFU (docs/design.md §6), and peak memory.
 
 MFU is achieved model FLOPs over the device's dense bf16 peak. Devices not in the table (and CPUs)
 have no MFU: it is reported as None ("n/a"), never estimated.
