@@ -1,7 +1,10 @@
 """The typed schema of a training run, registered in Hydra's ConfigStore.
 
-`configs/train.yaml` composes these groups; because every node is a dataclass, a misspelled key or
-a value of the wrong type fails at composition with a message that names it.
+`configs/train.yaml` composes these groups. Every node is a dataclass and every string choice an
+enum, so a misspelled key, a value of the wrong type or an unknown choice fails at composition with
+a message that names the key. What a type cannot say (a count must be positive, an option needs
+another) each node checks in `__post_init__`, which runs when `validate` builds the typed
+`RunConfig` at the start of `train()`.
 """
 
 from __future__ import annotations
@@ -107,9 +110,8 @@ def _model_schema() -> type:
     def __post_init__(self: Any) -> None:  # an unknown preset or a bad field fails with its key named
         model_config(self)
 
-    return dataclasses.make_dataclass(
-        "ModelConfig", fields, namespace={"__post_init__": __post_init__, "__doc__": _model_schema.__doc__},
-    )
+    namespace = {"__post_init__": __post_init__, "__doc__": _model_schema.__doc__, "__module__": __name__}
+    return dataclasses.make_dataclass("ModelConfig", fields, namespace=namespace)
 
 
 ModelConfig = _model_schema()
