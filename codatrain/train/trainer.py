@@ -125,6 +125,8 @@ class Trainer:
             {"train": self.train_data}, log=self.logger.info,
         )
         self.step = self.checkpointer.restore()
+        # Loop state: steps skipped as non-finite, the time since the last record and in this run.
+        self.skipped_steps, self.window, self.run_time = 0, StepTime(), StepTime()
 
     # ---- one optimizer step -------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -178,8 +180,7 @@ class Trainer:
         if self.dist.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.dist.device)
         batches = iter(self.train_data)
-        self.skipped_steps = 0
-        self.window, self.run_time, run_started = StepTime(), StepTime(), time.perf_counter()
+        run_started = time.perf_counter()
         self.logger.start(self.step)
         first_step = self.step + 1
         profiler = StepProfiler(self.run_dir, tcfg.profile_steps, tcfg.profile_skip, self.dist.rank,
