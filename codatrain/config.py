@@ -1,13 +1,18 @@
 """The typed schema of a training run, registered in Hydra's ConfigStore.
 
-`configs/train.yaml` composes these groups; because every node is a dataclass, a misspelled key or
-a value of the wrong type fails at composition with a message that names it.
+`configs/train.yaml` composes these groups. Every node is a dataclass and every string choice an
+enum, so a misspelled key, a value of the wrong type or an unknown choice fails at composition with
+a message that names the key. What a type cannot say (a count must be positive, an option needs
+another) each node checks in `__post_init__`, which runs when `validate` builds the typed
+`RunConfig` at the start of `train()`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -17,40 +22,128 @@ from omegaconf.errors import OmegaConfBaseException
 from codatrain.model.config import LlamaConfig, get_preset
 
 
-@dataclass
-class ModelConfig:
-    """A named preset (codatrain.model.config.PRESETS) with optional per-field overrides."""
+class BlockImpl(StrEnum):
+    eager = "eager"
+    coda = "coda"
 
-    preset: str = "tiny"
-    dim: int | None = None
-    n_layers: int | None = None
-    n_heads: int | None = None
-    n_kv_heads: int | None = None
-    ffn_dim: int | None = None
-    vocab_size: int | None = None
-    rope_theta: float | None = None
-    norm_eps: float | None = None
-    max_seq_len: int | None = None
+
+class StageBackendChoice(StrEnum):
+    reference = "reference"
+    cute = "cute"
+    auto = "auto"  # cute on sm_90 GPUs with the cuda extra, reference elsewhere
+
+
+class AttentionChoice(StrEnum):
+    sdpa = "sdpa"
+    fa4 = "fa4"
+    auto = "auto"
+
+
+class DataSource(StrEnum):
+    embedded = "embedded"
+    synthetic = "synthetic"
+    files = "files"
+    hub = "hub"
+
+
+class TextSampleBy(StrEnum):
+    document = "document"
+    paragraph = "paragraph"
+    line = "line"
+
+
+class Schedule(StrEnum):
+    cosine = "cosine"
+    wsd = "wsd"
+    constant = "constant"
+
+
+class DeviceChoice(StrEnum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class OnStale(StrEnum):
+    rebuild = "rebuild"
+    fail = "fail"
+
+
+class WandbMode(StrEnum):
+    disabled = "disabled"
+    offline = "offline"
+    online = "online"
+
+
+def _require_positive(node: object, prefix: str, *names: str) -> None:
+    for name in names:
+        value = getattr(node, name)
+        if value <= 0:
+            raise ValueError(f"{prefix}.{name} must be positive, got {value}")
+
+
+def _require_not_negative(node: object, prefix: str, *names: str) -> None:
+    for name in names:
+        value = getattr(node, name)
+        if value < 0:
+            raise ValueError(f"{prefix}.{name} must be 0 or more, got {value}")
+
+
+def model_config(cfg: Any) -> LlamaConfig:
+    """The `LlamaConfig` of a `model` node: its preset with the fields that were set."""
+    overrides = {
+        f.name: getattr(cfg, f.name)
+        for f in dataclasses.fields(LlamaConfig)
+        if getattr(cfg, f.name) is not None
+    }
+    return get_preset(cfg.preset).replace(**overrides)
+
+
+def _model_schema() -> type:
+    """`ModelConfig`: a preset name plus one optional override per `LlamaConfig` field, generated
+    from it so that every model field (a new one included) can be set as `model.<field>=...`."""
+    hints = typing.get_type_hints(LlamaConfig)
+    fields = [("preset", str, "tiny")] + [
+        (f.name, hints[f.name] | None, None) for f in dataclasses.fields(LlamaConfig)
+    ]
+
+    def __post_init__(self: Any) -> None:  # an unknown preset or a bad field fails with its key named
+        model_config(self)
+
+    namespace = {"__post_init__": __post_init__, "__doc__": _model_schema.__doc__, "__module__": __name__}
+    return dataclasses.make_dataclass("ModelConfig", fields, namespace=namespace)
+
+
+ModelConfig = _model_schema()
 
 
 @dataclass
 class BlockConfig:
-    impl: str = "eager"  # eager | coda
-    backend: str = "auto"  # coda stages: reference | cute | auto (cute on sm_90 with the cuda extra)
-    attention: str = "auto"  # sdpa | fa4 | auto
+    impl: BlockImpl = BlockImpl.eager
+    backend: StageBackendChoice = StageBackendChoice.auto  # the CODA stages' backend
+    attention: AttentionChoice = AttentionChoice.auto
+
+    def __post_init__(self) -> None:
+        if self.impl == BlockImpl.eager:
+            for key in ("backend", "attention"):
+                if getattr(self, key) != "auto":
+                    raise ValueError(
+                        f"block.{key}={str(getattr(self, key))!r} chooses the CODA block's kernels; "
+                        "it needs block=coda"
+                    )
 
 
 @dataclass
 class DataConfig:
     """Where the tokens come from and how they are cut; codatrain.data.build_loaders reads it."""
 
-    source: str = "embedded"  # embedded | synthetic | files | hub
+    source: DataSource = DataSource.embedded
     path: str | None = None  # files: a file, a folder or a glob; hub: the dataset name
     name: str | None = None  # hub: dataset configuration name
     split: str = "train"  # hub: the training split
     streaming: bool = False  # hub: read the split as a stream (once, into the token cache)
     text_column: str = "text"  # json / parquet / hub column holding the document text
-    text_sample_by: str = "document"  # plain-text files: a document is a whole file | paragraph | line
+    text_sample_by: TextSampleBy = TextSampleBy.document  # plain-text files: what one document is
     max_documents: int | None = None  # use only the first N documents of the source
     tokenizer: str = "byte"  # byte | a local HF tokenizer.json or tokenizer folder
     seq_len: int = 128
@@ -62,6 +155,9 @@ class DataConfig:
     cache_dir: str | None = None  # token cache (and datasets' cache); default: the HF datasets cache
     shuffle: bool = True  # a new seeded order every epoch
 
+    def __post_init__(self) -> None:
+        _require_positive(self, "data", "seq_len")
+
 
 @dataclass
 class OptimConfig:
@@ -71,7 +167,7 @@ class OptimConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
-    schedule: str = "cosine"  # cosine | wsd | constant
+    schedule: Schedule = Schedule.cosine
     warmup_steps: int = 20
     decay_fraction: float = 0.2  # wsd: share of steps spent in the final decay
     grad_clip: float = 1.0  # <= 0 disables clipping
@@ -85,7 +181,7 @@ class TrainConfig:
     tokens_per_step: int | None = None
     micro_batch_size: int = 16  # sequences per process per micro-step
     seed: int = 1337
-    device: str = "auto"  # auto | cpu | cuda
+    device: DeviceChoice = DeviceChoice.auto
     compile: bool = False  # torch.compile each block
     activation_checkpointing: bool = False
     log_every: int = 10
@@ -96,6 +192,14 @@ class TrainConfig:
     skip_nonfinite_steps: int = 0
     profile_steps: int = 0  # >0: torch.profiler over this many steps, summary in <run_dir>/profile/
     profile_skip: int = 5  # steps before profiling starts (one more is the profiler's warm-up)
+
+    def __post_init__(self) -> None:
+        _require_positive(self, "train", "steps", "micro_batch_size", "log_every")
+        if self.tokens_per_step is not None:
+            _require_positive(self, "train", "tokens_per_step")
+        if self.val_every > 0:
+            _require_positive(self, "train", "val_batches")
+        _require_not_negative(self, "train", "skip_nonfinite_steps", "profile_steps", "profile_skip")
 
 
 @dataclass
@@ -114,6 +218,9 @@ class CheckpointConfig:
     init_from: str | None = None
     save_hf_every: int = 0  # also write <run_dir>/hf/step_<n>/ every N steps and at the end (0: never)
 
+    def __post_init__(self) -> None:
+        _require_not_negative(self, "checkpoint", "every", "save_hf_every")
+
 
 @dataclass
 class KernelsConfig:
@@ -124,12 +231,12 @@ class KernelsConfig:
     cache_dir: str | None = None
     # A cache built for other versions, other kernel sources or another config (or never built):
     # rebuild it before training, or fail with a message that names every difference.
-    on_stale: str = "rebuild"
+    on_stale: OnStale = OnStale.rebuild
 
 
 @dataclass
 class WandbConfig:
-    mode: str = "disabled"  # disabled | offline | online
+    mode: WandbMode = WandbMode.disabled
     project: str = "codatrain"
     entity: str | None = None
     name: str | None = None
@@ -152,18 +259,6 @@ class RunConfig:
     logger: LoggerConfig = MISSING
 
 
-CHOICES = {
-    "block.impl": ("eager", "coda"),
-    "block.backend": ("reference", "cute", "auto"),
-    "block.attention": ("sdpa", "fa4", "auto"),
-    "data.source": ("embedded", "synthetic", "files", "hub"),
-    "optim.schedule": ("cosine", "wsd", "constant"),
-    "train.device": ("auto", "cpu", "cuda"),
-    "kernels.on_stale": ("rebuild", "fail"),
-    "logger.wandb.mode": ("disabled", "offline", "online"),
-}
-
-
 def register_configs() -> None:
     store = ConfigStore.instance()
     store.store(name="run_schema", node=RunConfig)
@@ -174,52 +269,15 @@ def register_configs() -> None:
         store.store(group=group, name=f"{group}_schema", node=node)
 
 
-def validate(cfg: DictConfig | RunConfig) -> None:
-    """Checks that types alone cannot express; raises ValueError naming the key."""
-    if isinstance(cfg, DictConfig):
-        try:  # keys forced in with `+key=value` bypass the schema at composition
-            OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.to_container(cfg))
-        except OmegaConfBaseException as error:
-            raise ValueError(f"invalid config: {error}") from None
-    for key, allowed in CHOICES.items():
-        value = _get(cfg, key)
-        if value not in allowed:
-            raise ValueError(f"{key}={value!r} is not one of {', '.join(allowed)}")
-    if _get(cfg, "block.impl") == "eager":
-        for key in ("block.backend", "block.attention"):
-            if _get(cfg, key) != "auto":
-                raise ValueError(
-                    f"{key}={_get(cfg, key)!r} chooses the CODA block's kernels; it needs block=coda"
-                )
-    positive = ["train.steps", "train.micro_batch_size", "train.log_every", "data.seq_len"]
-    if _get(cfg, "train.tokens_per_step") is not None:
-        positive.append("train.tokens_per_step")
-    if _get(cfg, "train.val_every") > 0:
-        positive.append("train.val_batches")
-    for key in positive:
-        value = _get(cfg, key)
-        if value <= 0:
-            raise ValueError(f"{key} must be positive, got {value}")
-
-
-def _get(cfg: DictConfig | RunConfig, key: str) -> Any:
-    if isinstance(cfg, DictConfig):
-        return OmegaConf.select(cfg, key)
-    obj: Any = cfg
-    for part in key.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def model_config(cfg: ModelConfig) -> LlamaConfig:
-    """Resolve the preset and apply the fields that were set."""
-    base = get_preset(cfg.preset)
-    overrides = {
-        f.name: getattr(cfg, f.name)
-        for f in dataclasses.fields(ModelConfig)
-        if f.name != "preset" and getattr(cfg, f.name) is not None
-    }
-    return base.replace(**overrides)
+def validate(cfg: DictConfig) -> RunConfig:
+    """The typed run of a composed config, after the checks that composition cannot make: keys
+    forced in with `+key=value` (they bypass the schema), and each node's `__post_init__` (counts,
+    options that need another). Raises ValueError naming the key."""
+    try:
+        OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.to_container(cfg))
+        return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+    except OmegaConfBaseException as error:
+        raise ValueError(f"invalid config: {error}") from None
 
 
 def load_config(overrides: list[str] | None = None) -> DictConfig:

@@ -4,7 +4,7 @@
         --steps 200 --out runs/scaling --plot runs/scaling/loss.png \\
         -- model=llama3_1b data=synthetic data.seq_len=8192 train.micro_batch_size=4
 
-Everything after `--` goes to scripts/train.py. Per variant (scripts/bench_train.py's variants),
+Everything after `--` goes to scripts/train.py. Per variant (codatrain/train/runs.py's VARIANTS),
 five jobs under torchrun, each in <out>/<variant>/<leg>/:
 - throughput_1, throughput_N: `--throughput-steps` steps at the given micro-batch on 1 and on N
   processes (medians after `--warmup`, as bench_train reports them). Check: tokens/s per device on
@@ -32,25 +32,15 @@ import textwrap
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # runs from a checkout without `pip install -e .`
-
-from bench_train import VARIANTS, read_records, run_variant, software_versions, summarize, train_job  # noqa: E402
-from compare_training import windowed  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-
-from codatrain.config import load_config, validate  # noqa: E402
+from codatrain.config import load_config, validate
+from codatrain.train.logger import METRICS_FILE, read_losses, read_records, windowed
+from codatrain.train.runs import REPO, VARIANTS, run_variant, software_versions, summarize, train_job
 
 CHECKS = ("throughput", "parity", "resume")
 
 
 def complete(run_dir: Path, last_step: int) -> bool:
-    metrics = run_dir / "metrics.jsonl"
-    return metrics.exists() and any(r["step"] == last_step for r in read_records(run_dir))
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_records(run_dir) if "loss" in r}
+    return (run_dir / METRICS_FILE).exists() and any(r["step"] == last_step for r in read_records(run_dir))
 
 
 def agreement(reference: dict[int, float], other: dict[int, float], window: int) -> dict:
@@ -122,7 +112,7 @@ def scale_variant(name: str, args: argparse.Namespace, micro_batch: int, seq_len
             None if train_job(procs, overrides, leg) == 0 else "training failed"))
         if error:
             return {**result, "error": f"{leg_name}: {error}"}
-    curves = {leg: losses(out / leg) for leg in jobs}
+    curves = {leg: read_losses(out / leg) for leg in jobs}
     result["losses"] = curves
     result["parity"] = agreement(curves["loss_1"], curves[f"loss_{n}"], args.window)
     result["resume"] = agreement(curves[f"loss_{n}"], curves["resume_1"], args.window)
@@ -213,11 +203,9 @@ def main() -> None:
            for o in args.overrides):
         p.error("train.tokens_per_step and train.run_dir are set per leg by this script")
     try:
-        cfg = load_config(args.overrides)
-        validate(cfg)
+        run = validate(load_config(args.overrides))
     except Exception as error:  # a bad override: one line naming it, before any job starts
         p.error(f"overrides: {error}")
-    run = OmegaConf.to_object(cfg)
 
     results = [scale_variant(v, args, run.train.micro_batch_size, run.data.seq_len) for v in names]
     report = {"nproc": args.nproc, "overrides": args.overrides, "steps": args.steps,

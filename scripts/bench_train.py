@@ -21,86 +21,11 @@ JSON).
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
-import os
-import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-VARIANTS = {
-    "eager": ["block=eager"],
-    "compile": ["block=eager", "train.compile=true"],
-    "coda": ["block=coda"],
-    "coda_compile": ["block=coda", "train.compile=true"],
-    "coda_reference": ["block=coda", "block.backend=reference"],
-}
-
-
-def train_job(nproc: int, overrides: list[str], run_dir: Path) -> int:
-    """scripts/train.py under torchrun with `nproc` processes, every step logged to
-    <run_dir>/metrics.jsonl (started afresh); returns the exit code. Of two values for one key,
-    the later override wins."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    # torchrun even for one process: FSDP2 (bf16 compute, fp32 master weights) as in real runs.
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        str(REPO / "scripts" / "train.py"), *overrides,
-        "train.log_every=1", "train.val_every=0", "train.progress=false", f"train.run_dir={run_dir}",
-    ]
-    print("+", " ".join(cmd), flush=True)
-    return subprocess.run(cmd, cwd=REPO, env=os.environ.copy()).returncode
-
-
-def read_records(run_dir: Path) -> list[dict]:
-    with open(run_dir / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f]
-
-
-def run_variant(name: str, overrides: list[str], steps: int, run_dir: Path, nproc: int, profile: int) -> dict:
-    """`steps` timed training steps of variant `name` (then `profile` profiled ones) into run_dir."""
-    # Profiled steps (and the profiler's warm-up step) come after the timed ones.
-    total_steps = steps + profile + 1 if profile else steps
-    code = train_job(nproc, [
-        *VARIANTS[name], *overrides, f"train.steps={total_steps}", f"train.profile_steps={profile}",
-        f"train.profile_skip={steps}", "checkpoint.at_end=false", "checkpoint.resume=none",
-    ], run_dir)
-    if code != 0:
-        return {"variant": name, "error": f"exit code {code}"}
-    profile_summary = run_dir / "profile" / "summary_rank0.txt"
-    return {"variant": name, "records": [r for r in read_records(run_dir) if r["step"] <= steps],
-            "profile": str(profile_summary) if profile_summary.exists() else None}
-
-
-def summarize(result: dict, warmup: int) -> dict:
-    if "error" in result:
-        return result
-    timed = [r for r in result["records"] if r["step"] > warmup and "step_time_s" in r]
-    if not timed:
-        return {"variant": result["variant"], "error": "no steps after warm-up"}
-    med = lambda key: statistics.median(r[key] for r in timed)
-    mfu = [r["mfu"] for r in timed if r.get("mfu") is not None]
-    resident = [r["resident_memory_gib"] for r in timed if r.get("resident_memory_gib") is not None]
-    peak = max(r["peak_memory_gib"] for r in timed)
-    return {
-        "variant": result["variant"],
-        "timed_steps": len(timed),
-        "step_time_s": med("step_time_s"),
-        "tokens_per_s_per_device": med("tokens_per_s_per_device"),
-        "tflops_per_device": med("tflops_per_device"),
-        "mfu": statistics.median(mfu) if mfu else None,
-        "peak_memory_gib": peak,
-        "resident_memory_gib": statistics.median(resident) if resident else None,
-        "step_memory_gib": peak - statistics.median(resident) if resident else None,
-        "data_time_s": med("data_time_s"),
-        "final_loss": timed[-1]["loss"],
-        "losses": {r["step"]: r["loss"] for r in result["records"]},
-        "profile": result["profile"],
-    }
+from codatrain.train.runs import REPO, VARIANTS, run_variant, software_versions, summarize
 
 
 def plot(path: Path, summaries: list[dict], title: str) -> None:
@@ -149,19 +74,6 @@ def plot(path: Path, summaries: list[dict], title: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     print(f"plot: {path}")
-
-
-def software_versions() -> dict[str, str | None]:
-    import torch
-
-    versions: dict[str, str | None] = {"torch": torch.__version__, "cuda": torch.version.cuda}
-    versions["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    for package in ("nvidia-cutlass-dsl", "quack-kernels", "flash-attn-4"):
-        try:
-            versions[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            versions[package] = None
-    return versions
 
 
 def print_table(summaries: list[dict]) -> None:

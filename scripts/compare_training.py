@@ -17,41 +17,26 @@ a window differs by more than `--tolerance` (nats).
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # runs from a checkout without `pip install -e .`
-
-from codatrain.train.metrics import read_losses  # noqa: E402
+from codatrain.train.logger import read_losses, windowed
+from codatrain.train.runs import REPO, TRAIN_SCRIPT
 
 
 def train(run_dir: Path, model: str, block: list[str], steps: int, extra: list[str]) -> None:
-    """One training run into run_dir (replaced if it exists: metrics.jsonl is appended to)."""
+    """One training run into run_dir (replaced if it exists, checkpoints included)."""
     shutil.rmtree(run_dir, ignore_errors=True)
+    # A plain single process (autocast bf16 on a GPU), as the loss curves in docs/ were made.
     cmd = [
-        sys.executable, str(REPO / "scripts" / "train.py"), f"model={model}", *block,
+        sys.executable, str(TRAIN_SCRIPT), f"model={model}", *block,
         f"train.steps={steps}", "train.log_every=1", "train.val_every=0", "train.progress=false",
         "checkpoint.at_end=false", "checkpoint.resume=none", f"train.run_dir={run_dir}", *extra,
     ]
     print("$", " ".join(cmd), flush=True)
-    # The repository on the path, so that runs work from a checkout without `pip install -e .`.
-    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path}
-    subprocess.run(cmd, cwd=REPO, env=env, check=True)
-
-
-def windowed(losses: dict[int, float], window: int) -> dict[int, float]:
-    """Mean loss of each complete window of steps, keyed by the window's last step."""
-    steps = sorted(losses)
-    return {
-        steps[i + window - 1]: statistics.fmean(losses[s] for s in steps[i : i + window])
-        for i in range(0, len(steps) - window + 1, window)
-    }
+    subprocess.run(cmd, cwd=REPO, check=True)
 
 
 def plot(path: Path, curves: dict[str, dict[int, float]], window: int, tolerance: float, title: str) -> None:

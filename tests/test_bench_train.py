@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from codatrain.train.runs import summarize
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -31,3 +33,17 @@ def test_bench_train_reports_every_variant(tmp_path):
     assert coda["losses"]["1"] == pytest.approx(eager["losses"]["1"], rel=1e-5)
     assert (tmp_path / "bench.png").stat().st_size > 10_000
     assert "coda_reference" in proc.stdout.splitlines()[-1]
+
+
+def test_summary_takes_medians_after_warmup():
+    """codatrain.train.runs.summarize, which bench_train and bench_scaling share."""
+    records = [{"step": s, "loss": 10.0 - s, "step_time_s": float(s), "tokens_per_s_per_device": 100.0 * s,
+                "tflops_per_device": 1.0, "mfu": None, "peak_memory_gib": float(s),
+                "resident_memory_gib": 1.0, "data_time_s": 0.0} for s in range(1, 5)]
+    summary = summarize({"variant": "eager", "records": records, "profile": None}, warmup=1)
+    assert summary["timed_steps"] == 3 and summary["step_time_s"] == 3.0  # steps 2-4
+    assert summary["tokens_per_s_per_device"] == 300.0 and summary["mfu"] is None
+    assert summary["peak_memory_gib"] == 4.0 and summary["step_memory_gib"] == 3.0
+    assert summary["final_loss"] == 6.0 and summary["losses"] == {1: 9.0, 2: 8.0, 3: 7.0, 4: 6.0}
+    assert summarize({"variant": "coda", "error": "exit code 1"}, warmup=1)["error"] == "exit code 1"
+    assert "error" in summarize({"variant": "eager", "records": records[:1], "profile": None}, warmup=1)

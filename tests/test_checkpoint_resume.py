@@ -5,14 +5,13 @@ import itertools
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from codatrain.config import load_config
+from codatrain.config import load_config, validate
 from codatrain.model import Llama
 from codatrain.model.hf import HFCheckpoint
 from codatrain.train.checkpoint import export_checkpoint_to_hf, inspect_checkpoint
 from codatrain.train.distributed import init_distributed
-from codatrain.train.metrics import read_losses
+from codatrain.train.logger import read_losses
 from codatrain.train.trainer import NonFiniteError, Trainer, train
 
 STEPS = 8
@@ -112,7 +111,7 @@ def test_skip_nonfinite_steps_skips_up_to_n(tmp_path, monkeypatch):
 
 def trainer(run_dir, *overrides) -> Trainer:
     cfg = load_config([*FAST, f"train.run_dir={run_dir}", *overrides])
-    return Trainer(OmegaConf.to_object(cfg), cfg, init_distributed("cpu"))
+    return Trainer(validate(cfg), init_distributed("cpu"))
 
 
 def test_hf_exports_during_training_and_init_from_finetuning(tmp_path):

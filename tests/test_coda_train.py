@@ -5,7 +5,7 @@ activation checkpointing, and under FSDP2 with two processes (gloo)."""
 import pytest
 
 from codatrain.config import load_config
-from codatrain.train.metrics import read_losses
+from codatrain.train.logger import read_losses
 from codatrain.train.trainer import train
 
 FAST = ["train.log_every=1", "train.val_every=0", "train.progress=false", "checkpoint.at_end=false"]

@@ -35,3 +35,11 @@ def test_default_run_learns_the_embedded_corpus_below_its_unigram_entropy(tmp_pa
     assert 3.0 < entropy < 3.5  # bytes of English prose
     assert final["loss"] < entropy - 0.25, (final["loss"], entropy)
     assert final["val_loss"] < entropy - 0.25, (final["val_loss"], entropy)
+
+
+def test_readme_files_example_names_the_validation_share():
+    """A small folder holds too few documents for the default held-out share: the example says
+    which key sets it."""
+    readme = (REPO / "README.md").read_text()
+    example = readme[readme.index("python scripts/train.py data=files"):].split("\npython")[0]
+    assert "data.val_fraction=" in example

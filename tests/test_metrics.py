@@ -1,7 +1,10 @@
+import json
+
 import pytest
 import torch
 
-from codatrain.config import OptimConfig
+from codatrain.config import OptimConfig, load_config, validate
+from codatrain.train.logger import METRICS_FILE, RunLogger, read_losses, read_records, windowed
 from codatrain.train.metrics import DENSE_BF16_PEAK_FLOPS, format_mfu, peak_flops, throughput
 from codatrain.train.optim import lr_factor
 
@@ -40,3 +43,27 @@ def test_schedules():
     assert lr_factor(50, 100, wsd) == 1.0 and lr_factor(79, 100, wsd) == 1.0
     assert lr_factor(90, 100, wsd) == pytest.approx(0.5)
     assert lr_factor(99, 100, wsd) == pytest.approx(0.05)
+
+
+def test_metrics_file_reader_and_windows(tmp_path):
+    records = [{"step": 1, "loss": 4.0}, {"step": 2, "loss": 3.0, "val_loss": 3.5},
+               {"step": 3, "val_loss": 3.1}, {"step": 2, "loss": 2.0}]  # a later record of a step wins
+    (tmp_path / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert read_records(tmp_path) == records
+    assert read_losses(tmp_path) == {1: 4.0, 2: 2.0}
+    assert windowed({1: 4.0, 2: 2.0, 3: 1.0, 4: 0.0, 5: 9.0}, 2) == {2: 3.0, 4: 0.5}  # step 5: no full window
+
+
+def test_a_resumed_run_drops_the_records_past_its_checkpoint(tmp_path):
+    """Steps 4-5 of an attempt that died before its next checkpoint are trained again after a
+    resume at step 3: each step stays in metrics.jsonl once."""
+    (tmp_path / METRICS_FILE).write_text("".join(json.dumps({"step": s, "loss": 9.0 - s}) + "\n"
+                                                 for s in range(1, 6)))
+    run = validate(load_config([f"train.run_dir={tmp_path}"]))
+    logger = RunLogger(run, enabled=True)
+    logger.start(3)
+    logger.log({"step": 4, "val_loss": 1.0})
+    logger.close()
+    assert [r["step"] for r in read_records(tmp_path)] == [1, 2, 3, 4]
+    assert read_records(tmp_path)[-1] == {"step": 4, "val_loss": 1.0}
+    assert (tmp_path / "train.log").read_text() == "step 4/300 | val loss 1.0000\n"

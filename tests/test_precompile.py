@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from codatrain.config import load_config, model_config, validate
@@ -115,7 +116,7 @@ def test_stale_cache_fails_with_the_differences(tmp_path):
 
 
 def test_on_stale_is_validated():
-    with pytest.raises(ValueError, match="kernels.on_stale"):
+    with pytest.raises(ConfigCompositionException, match="kernels.on_stale"):
         run_config(["kernels.on_stale=sometimes"])
 
 

@@ -1,11 +1,13 @@
 """The training loop end to end on CPU: in-process runs and FSDP2 under torchrun (gloo)."""
 
 
+from pathlib import Path
+
 import pytest
 
 from codatrain.config import load_config
 from codatrain.kernels.stages import BackendUnavailableError
-from codatrain.train.metrics import read_losses
+from codatrain.train.logger import read_losses
 from codatrain.train.trainer import train
 
 FAST = ["train.log_every=1", "train.val_every=0", "train.progress=false", "checkpoint.at_end=false"]
@@ -99,3 +101,35 @@ def test_wandb_offline_run_records_the_resolved_config(tmp_path, monkeypatch):
     assert config["model"]["preset"] == "tiny" and config["train"]["steps"] == 2
     runs = list((tmp_path / "tiny" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1 and runs[0].stat().st_size > 0
+
+
+def test_train_log_holds_the_console_and_the_run_ends_with_a_summary(tmp_path, capsys):
+    result = run(tmp_path, "data=synthetic", "train.steps=4", "train.val_every=2", "train.log_every=2",
+                 "checkpoint.at_end=true")
+    shown = capsys.readouterr().out
+    assert (tmp_path / "train.log").read_text() == shown
+    lines = shown.splitlines()
+    assert lines[0].startswith("codatrain | block=eager | tiny: ")
+    assert "step 2/4 | loss " in shown and "step 4/4 | val loss " in shown
+    summary = lines[-1]
+    assert summary.startswith(f"done: step 4/4 | loss {result.losses[4]:.4f} | ")
+    assert f"val loss {result.val_losses[4]:.4f} (step 4)" in summary
+    assert "8,192 tokens seen" in summary  # 4 steps of 16 × 128 tokens
+    assert " elapsed | " in summary and "tok/s, MFU n/a over 4 steps" in summary
+    assert summary.endswith(f"checkpoint {tmp_path / 'checkpoints' / 'step_4'}")
+
+
+def test_coda_header_names_the_kernels(tmp_path, capsys):
+    run(tmp_path, "block=coda", "block.backend=reference", "block.attention=sdpa", "train.steps=1",
+        "model.n_layers=1")
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.startswith("codatrain | block=coda (stages reference, attention sdpa) | tiny: ")
+
+
+def test_readme_multiprocess_example_has_its_own_run_dir():
+    """Run after `python scripts/train.py`, a torchrun line without its own run dir would resume the
+    finished tiny run and train nothing."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    command = "torchrun --nproc_per_node=2 scripts/train.py"
+    lines = [line for line in readme.splitlines() if line.startswith(command)]
+    assert lines and all("train.run_dir=" in line for line in lines)

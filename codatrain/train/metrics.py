@@ -1,4 +1,4 @@
-"""Throughput, TFLOP/s and MFU (DESIGN §6), and peak memory.
+"""Throughput, TFLOP/s and MFU (docs/design.md §6), and peak memory.
 
 MFU is achieved model FLOPs over the device's dense bf16 peak. Devices not in the table (and CPUs)
 have no MFU: it is reported as None ("n/a"), never estimated.
@@ -6,8 +6,6 @@ have no MFU: it is reported as None ("n/a"), never estimated.
 
 from __future__ import annotations
 
-import json
-import os
 import resource
 import sys
 from dataclasses import dataclass
@@ -77,8 +75,3 @@ def resident_memory_gib(device: torch.device) -> float | None:
 def format_mfu(mfu: float | None) -> str:
     return "n/a" if mfu is None else f"{100 * mfu:.1f}%"
 
-
-def read_losses(run_dir: str | os.PathLike) -> dict[int, float]:
-    """step → training loss from a run's metrics.jsonl; after a resume, the later record of a step wins."""
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}

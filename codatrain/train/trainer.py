@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import math
-import os
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from codatrain.config import RunConfig, model_config, validate
 from codatrain.data import build_loaders
 from codatrain.kernels.resolve import resolve_block
 from codatrain.model import build_model
-from codatrain.train.checkpoint import Checkpointer
+from codatrain.train.checkpoint import CHECKPOINTS_DIR, Checkpointer, checkpoint_dirs
 from codatrain.train.distributed import (
     DistInfo,
     all_reduce_mean,
@@ -26,7 +25,7 @@ from codatrain.train.distributed import (
     shutdown_distributed,
 )
 from codatrain.train.kernel_cache import KernelCache, kernel_shapes
-from codatrain.train.logger import RunLogger
+from codatrain.train.logger import RunLogger, format_duration
 from codatrain.train.metrics import (
     format_mfu,
     peak_flops,
@@ -56,14 +55,22 @@ class TrainResult:
     final_step: int = 0
 
 
-def format_duration(seconds: float) -> str:
-    seconds = int(max(seconds, 0))
-    hours, rest = divmod(seconds, 3600)
-    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
+@dataclass
+class StepTime:
+    """Wall time spent in optimizer steps (not validation, checkpoints or logging): the rates count
+    only that."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    data_seconds: float = 0.0  # of which waiting for batches
+
+    def add(self, seconds: float, data_seconds: float) -> None:
+        self.steps, self.seconds = self.steps + 1, self.seconds + seconds
+        self.data_seconds += data_seconds
 
 
 class Trainer:
-    def __init__(self, run: RunConfig, raw_cfg: DictConfig, dist_info: DistInfo) -> None:
+    def __init__(self, run: RunConfig, dist_info: DistInfo) -> None:
         self.run, self.dist = run, dist_info
         device = dist_info.device
         tcfg = run.train
@@ -85,7 +92,7 @@ class Trainer:
         # point the CuTeDSL kernels at kernels.cache_dir, rebuilding it (or failing,
         # kernels.on_stale) when it was not built for this run and software.
         self.kernel_cache = KernelCache(run.kernels.cache_dir, dist_info)
-        block = resolve_block(run.block.impl, run.block.backend, run.block.attention, device)
+        self.block = block = resolve_block(run.block.impl, run.block.backend, run.block.attention, device)
         shapes = kernel_shapes(self.model_cfg, tcfg.micro_batch_size, self.seq_len, block)
         self.kernel_cache.ensure(shapes, run.kernels.on_stale)
 
@@ -114,11 +121,7 @@ class Trainer:
         )
 
         self.run_dir = tcfg.run_dir
-        if dist_info.is_main:
-            os.makedirs(self.run_dir, exist_ok=True)
-        self.logger = RunLogger(
-            dist_info.is_main, run.logger.wandb, raw_cfg, self.run_dir, tcfg.steps, tcfg.progress
-        )
+        self.logger = RunLogger(run, enabled=dist_info.is_main)
         self.flops_per_token = self.model_cfg.flops_per_token(self.seq_len)
         self.peak = peak_flops(device)
         # Resume (checkpoint.resume) or load init_from weights; before fit() starts the data iterators.
@@ -127,6 +130,8 @@ class Trainer:
             {"train": self.train_data}, log=self.logger.info,
         )
         self.step = self.checkpointer.restore()
+        # Loop state: steps skipped as non-finite, the time since the last record and in this run.
+        self.skipped_steps, self.window, self.run_time = 0, StepTime(), StepTime()
 
     # ---- one optimizer step -------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -180,89 +185,106 @@ class Trainer:
         if self.dist.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.dist.device)
         batches = iter(self.train_data)
-        skipped = 0
-        # Rates count the time of training steps only, not validation, checkpoints or logging.
-        window_time, window_steps, window_data = 0.0, 0, 0.0
-        run_start, run_start_step = time.perf_counter(), self.step
-        metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
+        run_started = time.perf_counter()
+        self.logger.start(self.step)
+        first_step = self.step + 1
         profiler = StepProfiler(self.run_dir, tcfg.profile_steps, tcfg.profile_skip, self.dist.rank,
                                 self.dist.device)
         while self.step < tcfg.steps:
-            step_start = time.perf_counter()
+            step_started = time.perf_counter()
             loss, grad_norm, data_time = self.train_step(batches)
-            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-                self.optimizer.zero_grad(set_to_none=True)
-                if skipped < tcfg.skip_nonfinite_steps:
-                    skipped += 1
-                    self.logger.info(
-                        f"step {self.step + 1}: non-finite loss {loss} / grad norm {grad_norm}; "
-                        f"skipped ({skipped}/{tcfg.skip_nonfinite_steps})"
-                    )
-                    continue
-                raise NonFiniteError(
-                    f"step {self.step + 1}: loss {loss}, grad norm {grad_norm} is not finite; stopping "
-                    f"(train.skip_nonfinite_steps={tcfg.skip_nonfinite_steps} allows skipping such steps)"
-                )
-            lr = self.scheduler.get_last_lr()[0]
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            window_time += time.perf_counter() - step_start
-            self.step += 1
+            if not self.finite_or_skipped(loss, grad_norm):
+                continue
+            lr = self.optimizer_step()
+            for timing in (self.window, self.run_time):
+                timing.add(time.perf_counter() - step_started, data_time)
             profiler.step()
-            if self.step == run_start_step + 1:
+            if self.step == first_step:
                 self.logger.info(self.kernel_cache.first_step_report())
             result.losses[self.step] = loss
-            window_steps += 1
-            window_data += data_time
             self.logger.advance(self.step)
-
-            record = None
-            if self.step % tcfg.log_every == 0 or self.step == tcfg.steps:
-                rate = throughput(
-                    window_steps * self.tokens_per_step, window_time, self.dist.world_size,
-                    self.flops_per_token, self.peak,
-                )
-                per_step = (time.perf_counter() - run_start) / (self.step - run_start_step)
-                record = {
-                    "step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                    "tokens_per_s": rate.tokens_per_s,
-                    "tokens_per_s_per_device": rate.tokens_per_s_per_device,
-                    "tflops_per_device": rate.tflops_per_device, "mfu": rate.mfu,
-                    "step_time_s": window_time / window_steps, "data_time_s": window_data / window_steps,
-                    "peak_memory_gib": peak_memory_gib(self.dist.device),
-                    "resident_memory_gib": resident_memory_gib(self.dist.device),
-                }
-                self.logger.info(
-                    f"step {self.step}/{tcfg.steps} | loss {loss:.4f} | lr {lr:.2e} | "
-                    f"gnorm {grad_norm:.3f} | "
-                    f"{rate.tokens_per_s:,.0f} tok/s ({rate.tokens_per_s_per_device:,.0f}/dev) | "
-                    f"{rate.tflops_per_device:.2f} TFLOP/s/dev | MFU {format_mfu(rate.mfu)} | "
-                    f"mem {record['peak_memory_gib']:.2f} GiB | "
-                    f"data {record['data_time_s'] * 1e3:.1f} ms/step | "
-                    f"eta {format_duration(per_step * (tcfg.steps - self.step))}"
-                )
-                window_time, window_steps, window_data = 0.0, 0, 0.0
+            record = self.train_record(loss, lr, grad_norm) if self.log_due() else {}
             if self.validation_due():
-                val_loss = self.evaluate()
-                result.val_losses[self.step] = val_loss
-                self.logger.info(f"step {self.step}/{tcfg.steps} | val loss {val_loss:.4f}")
-                record = {**(record or {"step": self.step}), "val_loss": val_loss}
-            if record is not None:
-                self.logger.log({k: v for k, v in record.items() if v is not None}, step=self.step)
-                if self.dist.is_main:
-                    with open(metrics_path, "a") as f:
-                        f.write(json.dumps(record) + "\n")
+                record = {"step": self.step, **record, "val_loss": self.evaluate()}
+                result.val_losses[self.step] = record["val_loss"]
+            if record:
+                self.logger.log(record)
             self.checkpointer.after_step(self.step, tcfg.steps)
         profiler.stop()
         result.final_step = self.step
-        self.logger.info(f"done: {self.step} steps, run dir {self.run_dir}")
+        self.logger.info(self.summary(result, time.perf_counter() - run_started))
         return result
 
+    def finite_or_skipped(self, loss: float, grad_norm: float) -> bool:
+        """True for a finite step. A non-finite one drops its gradients and is skipped while
+        `train.skip_nonfinite_steps` allows, else it stops the run (NonFiniteError)."""
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            return True
+        self.optimizer.zero_grad(set_to_none=True)
+        allowed = self.run.train.skip_nonfinite_steps
+        if self.skipped_steps < allowed:
+            self.skipped_steps += 1
+            self.logger.info(f"step {self.step + 1}: non-finite loss {loss} / grad norm {grad_norm}; "
+                             f"skipped ({self.skipped_steps}/{allowed})")
+            return False
+        raise NonFiniteError(
+            f"step {self.step + 1}: loss {loss}, grad norm {grad_norm} is not finite; stopping "
+            f"(train.skip_nonfinite_steps={allowed} allows skipping such steps)"
+        )
+
+    def optimizer_step(self) -> float:
+        """Apply the accumulated gradients and advance the schedule; returns the step's lr."""
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return lr
+
+    def log_due(self) -> bool:
+        return self.step % self.run.train.log_every == 0 or self.step == self.run.train.steps
+
+    def train_record(self, loss: float, lr: float, grad_norm: float) -> dict[str, Any]:
+        """The metrics of this step, its rates over the steps since the last record; starts a new
+        window."""
+        window, self.window = self.window, StepTime()
+        rate = throughput(window.steps * self.tokens_per_step, window.seconds, self.dist.world_size,
+                          self.flops_per_token, self.peak)
+        return {
+            "step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+            "tokens_per_s": rate.tokens_per_s, "tokens_per_s_per_device": rate.tokens_per_s_per_device,
+            "tflops_per_device": rate.tflops_per_device, "mfu": rate.mfu,
+            "step_time_s": window.seconds / window.steps, "data_time_s": window.data_seconds / window.steps,
+            "peak_memory_gib": peak_memory_gib(self.dist.device),
+            "resident_memory_gib": resident_memory_gib(self.dist.device),
+        }
+
+    def summary(self, result: TrainResult, elapsed: float) -> str:
+        """The run's last line: where it ended, what it trained, how fast, and what it kept."""
+        parts = [f"done: step {self.step}/{self.run.train.steps}"]
+        if result.losses:
+            parts.append(f"loss {result.losses[max(result.losses)]:.4f}")
+        if result.val_losses:
+            last = max(result.val_losses)
+            parts.append(f"val loss {result.val_losses[last]:.4f} (step {last})")
+        parts.append(f"{self.step * self.tokens_per_step:,} tokens seen")
+        parts.append(f"{format_duration(elapsed)} elapsed")
+        if self.run_time.steps:
+            rate = throughput(self.run_time.steps * self.tokens_per_step, self.run_time.seconds,
+                              self.dist.world_size, self.flops_per_token, self.peak)
+            parts.append(f"{rate.tokens_per_s:,.0f} tok/s, MFU {format_mfu(rate.mfu)} over "
+                         f"{self.run_time.steps} steps")
+        saved = checkpoint_dirs(f"{self.run_dir}/{CHECKPOINTS_DIR}")
+        parts.append(f"checkpoint {saved[0][1]}" if saved else f"no checkpoint; run dir {self.run_dir}")
+        return " | ".join(parts)
+
     def log_header(self) -> None:
-        cfg, tcfg = self.model_cfg, self.run.train
+        cfg, tcfg, block = self.model_cfg, self.run.train, self.block
+        impl = block.impl
+        if block.impl == "coda":  # what `auto` chose
+            impl += f" (stages {block.backend}, attention {block.attention})"
         self.logger.info(
-            f"codatrain | block={self.run.block.impl} | {self.run.model.preset}: "
+            f"codatrain | block={impl} | {self.run.model.preset}: "
             f"{cfg.num_params() / 1e6:.1f}M params, {self.flops_per_token / 1e9:.3f} GFLOP/token | "
             f"{self.dist.world_size} × {self.dist.device.type} | seq {self.seq_len} × micro-batch "
             f"{tcfg.micro_batch_size} × accum {self.grad_accum} = {self.tokens_per_step} tokens/step"
@@ -274,12 +296,11 @@ class Trainer:
 
 def train(cfg: DictConfig) -> TrainResult:
     """Run a training job from a composed config (see configs/train.yaml)."""
-    validate(cfg)
-    run: RunConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    run = validate(cfg)
     dist_info = init_distributed(run.train.device)
     trainer = None
     try:
-        trainer = Trainer(run, cfg, dist_info)
+        trainer = Trainer(run, dist_info)
         result = trainer.fit()
         barrier()  # no rank tears the process group down while another still talks to it
         return result

@@ -2,10 +2,10 @@
 
 The shipped file is the source of truth: training reads it, never the interpreter, because the
 documentation differs between Python versions and the corpus must be the same bytes on every machine.
-This script records how the file was made (see corpus/README.md); after running it, update
+This script records how the file was made (see codatrain/data/corpus/README.md); after running it, update
 `EMBEDDED_SHA256` in `codatrain/data/sources.py`.
 
-    python -m codatrain.data.build_corpus
+    python scripts/build_corpus.py
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sysconfig
 from pathlib import Path
 from pydoc_data.topics import topics
 
-OUTPUT = Path(__file__).parent / "corpus" / "python_docs.jsonl.gz"
+from codatrain.data.sources import EMBEDDED_PATH
 
 # Tests, demos, deprecated tooling, generated codec tables and the topic data itself (included
 # directly) are not documentation worth training on.
@@ -101,8 +101,8 @@ def build() -> bytes:
 
 def main() -> None:
     data = build()
-    OUTPUT.write_bytes(data)
-    print(f"wrote {OUTPUT} ({len(data)} bytes) from Python {sys.version.split()[0]}")
+    EMBEDDED_PATH.write_bytes(data)
+    print(f"wrote {EMBEDDED_PATH} ({len(data)} bytes) from Python {sys.version.split()[0]}")
     print(f"sha256 {hashlib.sha256(data).hexdigest()}")
 
 

@@ -1,0 +1,108 @@
+"""Training jobs launched as subprocesses, and the summaries of their metrics: what the benchmark
+scripts (scripts/bench_train.py, bench_scaling.py, compare_training.py) share.
+
+A job is `scripts/train.py` of this checkout (the package is installed editable from it), under
+torchrun even for one process, so that it runs as real training does: FSDP2, bf16 compute, fp32
+master weights.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from codatrain.train.logger import METRICS_FILE, read_records
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN_SCRIPT = REPO / "scripts" / "train.py"
+
+# Block implementations compared by the benchmarks: name → scripts/train.py overrides.
+VARIANTS: dict[str, list[str]] = {
+    "eager": ["block=eager"],
+    "compile": ["block=eager", "train.compile=true"],
+    "coda": ["block=coda"],
+    "coda_compile": ["block=coda", "train.compile=true"],
+    "coda_reference": ["block=coda", "block.backend=reference"],
+}
+
+
+def train_job(nproc: int, overrides: list[str], run_dir: Path) -> int:
+    """scripts/train.py under torchrun with `nproc` processes, every step logged to
+    the run's metrics file (started afresh); returns the exit code. Of two values for one key,
+    the later override wins."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / METRICS_FILE).unlink(missing_ok=True)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        str(TRAIN_SCRIPT), *overrides,
+        "train.log_every=1", "train.val_every=0", "train.progress=false", f"train.run_dir={run_dir}",
+    ]
+    print("+", " ".join(cmd), flush=True)
+    return subprocess.run(cmd, cwd=REPO, env=os.environ.copy()).returncode
+
+
+def run_variant(name: str, overrides: list[str], steps: int, run_dir: Path, nproc: int,
+                profile: int) -> dict[str, Any]:
+    """`steps` timed training steps of variant `name` (then `profile` profiled ones) into run_dir:
+    {"variant", "records", "profile": the profiler summary or None}, or {"variant", "error"}."""
+    # Profiled steps (and the profiler's warm-up step) come after the timed ones.
+    total_steps = steps + profile + 1 if profile else steps
+    code = train_job(nproc, [
+        *VARIANTS[name], *overrides, f"train.steps={total_steps}", f"train.profile_steps={profile}",
+        f"train.profile_skip={steps}", "checkpoint.at_end=false", "checkpoint.resume=none",
+    ], run_dir)
+    if code != 0:
+        return {"variant": name, "error": f"exit code {code}"}
+    profile_summary = run_dir / "profile" / "summary_rank0.txt"
+    return {"variant": name, "records": [r for r in read_records(run_dir) if r["step"] <= steps],
+            "profile": str(profile_summary) if profile_summary.exists() else None}
+
+
+def summarize(result: dict[str, Any], warmup: int) -> dict[str, Any]:
+    """Medians over the steps after `warmup` of a `run_variant` result (errors pass through)."""
+    if "error" in result:
+        return result
+    timed = [r for r in result["records"] if r["step"] > warmup and "step_time_s" in r]
+    if not timed:
+        return {"variant": result["variant"], "error": "no steps after warm-up"}
+
+    def median(key: str) -> float:
+        return statistics.median(r[key] for r in timed)
+
+    mfu = [r["mfu"] for r in timed if r.get("mfu") is not None]
+    resident = [r["resident_memory_gib"] for r in timed if r.get("resident_memory_gib") is not None]
+    peak = max(r["peak_memory_gib"] for r in timed)
+    return {
+        "variant": result["variant"],
+        "timed_steps": len(timed),
+        "step_time_s": median("step_time_s"),
+        "tokens_per_s_per_device": median("tokens_per_s_per_device"),
+        "tflops_per_device": median("tflops_per_device"),
+        "mfu": statistics.median(mfu) if mfu else None,
+        "peak_memory_gib": peak,
+        "resident_memory_gib": statistics.median(resident) if resident else None,
+        "step_memory_gib": peak - statistics.median(resident) if resident else None,
+        "data_time_s": median("data_time_s"),
+        "final_loss": timed[-1]["loss"],
+        "losses": {r["step"]: r["loss"] for r in result["records"]},
+        "profile": result["profile"],
+    }
+
+
+def software_versions() -> dict[str, str | None]:
+    """torch, CUDA, the GPU and the kernel packages, for a benchmark report."""
+    import torch
+
+    versions: dict[str, str | None] = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    versions["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    for package in ("nvidia-cutlass-dsl", "quack-kernels", "flash-attn-4"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    return versions
