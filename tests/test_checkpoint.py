@@ -18,14 +18,10 @@ from safetensors.torch import load_file, save_file
 from codatrain.config import CheckpointConfig
 from codatrain.model import Llama, get_preset
 from codatrain.model.hf import save_hf
-from codatrain.train.checkpoint import (
-    CanonicalMapping,
-    Checkpointer,
-    CheckpointError,
-    canonical_state,
-    inspect_checkpoint,
-    load_hf_weights,
-)
+from codatrain.model.layout import Canonical
+from codatrain.train.checkpoint import CanonicalMapping, CheckpointError, canonical_state, inspect_checkpoint
+from codatrain.train.checkpointer import Checkpointer
+from codatrain.train.hf_io import load_hf_weights
 from codatrain.train.parallelize import apply_activation_checkpointing
 
 CFG = get_preset("tiny").replace(n_layers=2, vocab_size=203)  # 203 rows: uneven FSDP2 shards
@@ -35,10 +31,14 @@ class PermutedLlama(Llama):
     """The eager model with a non-canonical layout (rows of the fused projections reversed), a
     stand-in for CODA's interleaved layouts."""
 
-    def to_canonical(self, name, tensor):
-        return tensor.flip(0) if name.endswith(("qkv_proj.weight", "gate_up_proj.weight")) else tensor
-
-    from_canonical = to_canonical
+    def layout(self):
+        reversed_rows = {"qkv_proj.weight": self.cfg.qkv_dim, "gate_up_proj.weight": 2 * self.cfg.ffn_dim}
+        table = super().layout()
+        for name in table:
+            for suffix, rows in reversed_rows.items():
+                if name.endswith(suffix):
+                    table[name] = Canonical(name, torch.arange(rows).flip(0))
+        return table
 
 
 class Counter:

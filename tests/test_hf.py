@@ -12,7 +12,8 @@ from transformers import LlamaForCausalLM
 from codatrain.config import CheckpointConfig
 from codatrain.model import Llama, get_preset
 from codatrain.model.hf import INDEX_NAME, config_from_hf, config_to_hf, save_hf
-from codatrain.train.checkpoint import Checkpointer, load_hf_weights
+from codatrain.train.checkpointer import Checkpointer
+from codatrain.train.hf_io import load_hf_weights
 
 # GQA (4 query heads over 2 KV heads), odd vocab, rope θ and eps that differ from HF defaults.
 CFG = get_preset("tiny").replace(n_layers=2, vocab_size=301, rope_theta=5000.0, norm_eps=1e-5)

@@ -17,7 +17,7 @@ from codatrain.config import RunConfig, model_config, validate
 from codatrain.data import build_loaders
 from codatrain.kernels.precompile import KernelCache
 from codatrain.model import build_model
-from codatrain.train.checkpoint import Checkpointer
+from codatrain.train.checkpointer import Checkpointer
 from codatrain.train.distributed import (
     DistInfo,
     all_reduce_mean,
@@ -39,6 +39,7 @@ from codatrain.train.parallelize import (
     apply_compile,
     apply_fsdp,
     data_parallel_mesh,
+    init_weights,
     reshard_after_eval,
 )
 from codatrain.train.profiling import StepProfiler
@@ -96,7 +97,7 @@ class Trainer:
             mesh = data_parallel_mesh(device, dist_info.world_size)
             apply_fsdp(model, mesh, mixed_precision=device.type == "cuda")
         model.to_empty(device=device)
-        model.init_weights(tcfg.seed)
+        init_weights(model, tcfg.seed)
         self.model = model
         # Without FSDP2 (a single plain process) a GPU still trains in bf16, through autocast.
         self.autocast = device.type == "cuda" and not dist_info.is_distributed
