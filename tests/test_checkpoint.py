@@ -22,7 +22,7 @@ from codatrain.model.layout import Canonical
 from codatrain.train.checkpoint import CanonicalMapping, CheckpointError, canonical_state, inspect_checkpoint
 from codatrain.train.checkpointer import Checkpointer
 from codatrain.train.hf_io import load_hf_weights
-from codatrain.train.parallelize import apply_activation_checkpointing
+from codatrain.train.parallelize import apply_activation_checkpointing, init_weights, strip_wrapper_prefixes
 
 CFG = get_preset("tiny").replace(n_layers=2, vocab_size=203)  # 203 rows: uneven FSDP2 shards
 
@@ -147,6 +147,17 @@ def test_wrapper_prefixes_stay_out_of_checkpoints(tmp_path):
     assert plain.ckpt.restore() == 1
     assert_same(plain.canonical(), wrapped.canonical())
     assert "model.layers.0.self_attn.qkv_proj.weight" in plain.canonical()
+
+
+@pytest.mark.parametrize("model_cls", [Llama, PermutedLlama])
+def test_the_trainers_init_of_a_wrapped_model_equals_the_models_own(model_cls):
+    plain, wrapped = model_cls(CFG), model_cls(CFG)
+    plain.init_weights(seed=4)
+    apply_activation_checkpointing(wrapped)
+    init_weights(wrapped, seed=4)
+    wrapped_state = {strip_wrapper_prefixes(k): v for k, v in wrapped.state_dict().items()}
+    assert_same(wrapped_state, plain.state_dict())
+    assert not torch.equal(plain.lm_head.weight, model_cls(CFG).lm_head.weight)  # the seed was used
 
 
 def test_resuming_and_importing_unpickle_nothing(tmp_path, monkeypatch):
