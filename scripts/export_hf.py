@@ -15,7 +15,8 @@ import sys
 import torch
 
 from codatrain.model.hf import DEFAULT_MAX_SHARD_BYTES
-from codatrain.train.checkpoint import CheckpointError, export_checkpoint_to_hf
+from codatrain.train.checkpoint import CheckpointError
+from codatrain.train.hf_io import export_checkpoint_to_hf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}

@@ -4,7 +4,9 @@ checks, pruning, and resharding from 2 FSDP2 processes (gloo) onto 1."""
 import json
 import os
 import pickle
+import shutil
 import socket
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -16,15 +18,11 @@ from safetensors.torch import load_file, save_file
 from codatrain.config import CheckpointConfig
 from codatrain.model import Llama, get_preset
 from codatrain.model.hf import save_hf
-from codatrain.train.checkpoint import (
-    CanonicalMapping,
-    Checkpointer,
-    CheckpointError,
-    canonical_state,
-    inspect_checkpoint,
-    load_hf_weights,
-)
-from codatrain.train.parallelize import apply_activation_checkpointing
+from codatrain.model.layout import Canonical
+from codatrain.train.checkpoint import CanonicalMapping, CheckpointError, canonical_state, inspect_checkpoint
+from codatrain.train.checkpointer import Checkpointer
+from codatrain.train.hf_io import load_hf_weights
+from codatrain.train.parallelize import apply_activation_checkpointing, init_weights, strip_wrapper_prefixes
 
 CFG = get_preset("tiny").replace(n_layers=2, vocab_size=203)  # 203 rows: uneven FSDP2 shards
 
@@ -33,10 +31,14 @@ class PermutedLlama(Llama):
     """The eager model with a non-canonical layout (rows of the fused projections reversed), a
     stand-in for CODA's interleaved layouts."""
 
-    def to_canonical(self, name, tensor):
-        return tensor.flip(0) if name.endswith(("qkv_proj.weight", "gate_up_proj.weight")) else tensor
-
-    from_canonical = to_canonical
+    def layout(self):
+        reversed_rows = {"qkv_proj.weight": self.cfg.qkv_dim, "gate_up_proj.weight": 2 * self.cfg.ffn_dim}
+        table = super().layout()
+        for name in table:
+            for suffix, rows in reversed_rows.items():
+                if name.endswith(suffix):
+                    table[name] = Canonical(name, torch.arange(rows).flip(0))
+        return table
 
 
 class Counter:
@@ -145,6 +147,17 @@ def test_wrapper_prefixes_stay_out_of_checkpoints(tmp_path):
     assert plain.ckpt.restore() == 1
     assert_same(plain.canonical(), wrapped.canonical())
     assert "model.layers.0.self_attn.qkv_proj.weight" in plain.canonical()
+
+
+@pytest.mark.parametrize("model_cls", [Llama, PermutedLlama])
+def test_the_trainers_init_of_a_wrapped_model_equals_the_models_own(model_cls):
+    plain, wrapped = model_cls(CFG), model_cls(CFG)
+    plain.init_weights(seed=4)
+    apply_activation_checkpointing(wrapped)
+    init_weights(wrapped, seed=4)
+    wrapped_state = {strip_wrapper_prefixes(k): v for k, v in wrapped.state_dict().items()}
+    assert_same(wrapped_state, plain.state_dict())
+    assert not torch.equal(plain.lm_head.weight, model_cls(CFG).lm_head.weight)  # the seed was used
 
 
 def test_resuming_and_importing_unpickle_nothing(tmp_path, monkeypatch):
@@ -289,3 +302,58 @@ def test_two_processes_reshard_to_one_and_back(tmp_path):
     assert resumed.loaders["val"].offset == 0
     assert any("val data state differs per rank" in line for line in resumed.logs)
     assert torch.isfinite(torch.tensor(resumed.step()))
+
+
+# ---- 2 processes: rank 0 decides and tidies up for every rank --------------------------------------
+def _rank0_worker(rank: int, world_size: int, port: int, tmp: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    # A rank left waiting for an answer fails the test in a minute instead of hanging it.
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+    tmp = Path(tmp)
+    try:
+        for run_dir in ("fresh", "stale"):
+            Run(tmp / run_dir, shard=True, rank=rank).ckpt.save(9)
+        outcomes = {}
+        for case, run_dir, resume in [
+            ("resume=none", "stale", "none"),
+            ("missing rank file", "one", str(tmp / "missing_rank_file")),
+            ("odd manifest", "one", str(tmp / "odd_manifest")),
+        ]:
+            try:
+                outcomes[case] = f"resumed at {Run(tmp / run_dir, rank=rank, resume=resume).ckpt.restore()}"
+            except CheckpointError as error:
+                outcomes[case] = str(error)
+        (tmp / f"outcomes_{rank}.json").write_text(json.dumps(outcomes))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_rank_zero_decides_for_every_rank_and_tidies_the_checkpoint_root(tmp_path):
+    """With 2 ranks: rank 0 creates the checkpoint root and removes the leftovers of any earlier
+    interrupted save (a .tmp-step_7 while saving step 9); what rank 0 finds wrong when choosing the
+    checkpoint to resume is raised on every rank, with the real reason."""
+    one = Run(tmp_path / "one")
+    one.step()
+    source = one.ckpt.save(1)
+    for name in ("missing_rank_file", "odd_manifest"):
+        shutil.copytree(source, tmp_path / name)
+    (tmp_path / "missing_rank_file/rank_00000.json").unlink()
+    manifest = json.loads((source / "checkpoint.json").read_text())
+    (tmp_path / "odd_manifest/checkpoint.json").write_text(json.dumps(manifest | {"files": []}))
+    stale = tmp_path / "stale/checkpoints/.tmp-step_7"
+    stale.mkdir(parents=True)
+    (stale / "shard-00001-model-00001-of-00001.safetensors").write_bytes(b"partial")
+
+    mp.spawn(_rank0_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2)
+    for run_dir in ("fresh", "stale"):
+        root = tmp_path / run_dir / "checkpoints"
+        assert [p.name for p in root.iterdir()] == ["step_9"], run_dir
+        assert inspect_checkpoint(root / "step_9")["world_size"] == 2
+    outcomes = [json.loads((tmp_path / f"outcomes_{r}.json").read_text()) for r in (0, 1)]
+    assert outcomes[0] == outcomes[1]
+    assert "checkpoint.resume=none" in outcomes[0]["resume=none"]
+    assert outcomes[0]["missing rank file"].endswith("missing_rank_file: rank_00000.json is missing")
+    assert outcomes[0]["odd manifest"].startswith("AttributeError: ")

@@ -9,8 +9,9 @@ import torch
 from codatrain.config import load_config, validate
 from codatrain.model import Llama
 from codatrain.model.hf import HFCheckpoint
-from codatrain.train.checkpoint import export_checkpoint_to_hf, inspect_checkpoint
+from codatrain.train.checkpoint import inspect_checkpoint
 from codatrain.train.distributed import init_distributed
+from codatrain.train.hf_io import export_checkpoint_to_hf
 from codatrain.train.logger import read_losses
 from codatrain.train.trainer import NonFiniteError, Trainer, train
 

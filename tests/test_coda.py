@@ -22,14 +22,20 @@ def model_pair(cfg, dtype, seed=0, head_chunk_rows=None):
 
 @torch.no_grad()
 def load_canonical(model, state):
-    names = model.canonical_names()
+    layout = model.layout()
     for name, param in model.named_parameters():
-        param.copy_(model.from_canonical(name, state[names[name]]))
+        param.copy_(layout[name].to_native(state[layout[name].name]))
+
+
+def canonical_tensors(model, grads=False) -> dict[str, torch.Tensor]:
+    """The model's parameters (or their gradients) as the canonical state."""
+    layout = model.layout()
+    return {layout[n].name: layout[n].to_canonical(p.grad if grads else p.detach())
+            for n, p in model.named_parameters()}
 
 
 def canonical_grads(model) -> dict[str, torch.Tensor]:
-    names = model.canonical_names()
-    return {names[n]: model.to_canonical(n, p.grad) for n, p in model.named_parameters()}
+    return canonical_tensors(model, grads=True)
 
 
 def assert_close_to(actual, expected, rtol, name=""):
@@ -144,8 +150,7 @@ def test_canonical_state_round_trip_gives_identical_logits():
     tokens = torch.randint(0, cfg.vocab_size, (2, 32))
     with torch.no_grad():
         torch.testing.assert_close(coda(tokens), eager(tokens), rtol=1e-5, atol=1e-5)
-    names = coda.canonical_names()
-    back = {names[n]: coda.to_canonical(n, p.detach()) for n, p in coda.named_parameters()}
+    back = canonical_tensors(coda)
     assert back.keys() == state.keys()
     for name, tensor in state.items():
         assert torch.equal(back[name], tensor), name
@@ -162,9 +167,10 @@ def test_meta_build_and_seeded_init_equal_eager_init():
     eager = Llama(cfg)
     eager.init_weights(seed=11)
     state = eager.state_dict()
-    names = coda.canonical_names()
-    for n, p in coda.named_parameters():
-        assert torch.equal(coda.to_canonical(n, p.detach()), state[names[n]]), n
+    back = canonical_tensors(coda)
+    assert back.keys() == state.keys()
+    for name, tensor in state.items():
+        assert torch.equal(back[name], tensor), name
     assert not list(coda.buffers())  # nothing that to_empty() would leave uninitialised
 
 
@@ -175,10 +181,12 @@ def test_blocks_own_every_parameter_once_and_names_are_a_bijection():
     assert len(blocks) == cfg.n_layers + 1
     owned = [id(p) for block in blocks for p in block.parameters()]
     assert sorted(owned) == sorted(id(p) for p in coda.parameters())
-    names = coda.canonical_names()
-    assert sorted(names.values()) == sorted(n for n, _ in Llama(cfg).named_parameters())
+    layout = coda.layout()
+    assert sorted(layout) == sorted(n for n, _ in coda.named_parameters())
+    assert sorted(c.name for c in layout.values()) == sorted(n for n, _ in Llama(cfg).named_parameters())
+    assert sorted(Llama(cfg).layout()) == sorted(n for n, _ in Llama(cfg).named_parameters())
     # layer i owns the parameters of layer i + 1's attention norm and QKV (the shifted layers)
-    assert names["layers.1.w_qkv_next"] == "layers.2.self_attn.qkv_proj.weight"
+    assert layout["layers.1.w_qkv_next"].name == "layers.2.self_attn.qkv_proj.weight"
 
 
 def test_bf16_autocast_casts_inside_and_tracks_eager():

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM
@@ -11,7 +12,8 @@ from transformers import LlamaForCausalLM
 from codatrain.config import CheckpointConfig
 from codatrain.model import Llama, get_preset
 from codatrain.model.hf import INDEX_NAME, config_from_hf, config_to_hf, save_hf
-from codatrain.train.checkpoint import Checkpointer, load_hf_weights
+from codatrain.train.checkpointer import Checkpointer
+from codatrain.train.hf_io import load_hf_weights
 
 # GQA (4 query heads over 2 KV heads), odd vocab, rope θ and eps that differ from HF defaults.
 CFG = get_preset("tiny").replace(n_layers=2, vocab_size=301, rope_theta=5000.0, norm_eps=1e-5)
@@ -63,11 +65,37 @@ def test_unsupported_rope_scaling_is_rejected(rope):
         config_from_hf(hf_cfg)
 
 
-@pytest.mark.parametrize("max_shard_bytes", [10**9, 200_000], ids=["single-file", "sharded"])
-def test_export_gives_transformers_the_same_logits(tmp_path, max_shard_bytes):
+def test_export_gives_transformers_the_same_logits(tmp_path):
     model = ours()
-    save_hf(tmp_path, CFG, model.state_dict().items(), max_shard_bytes=max_shard_bytes)
-    assert (tmp_path / INDEX_NAME).exists() == (max_shard_bytes < 10**9)
+    save_hf(tmp_path, CFG, model.state_dict().items())
+    assert [p.name for p in tmp_path.glob("*.safetensors")] == ["model.safetensors"]
+    assert not (tmp_path / INDEX_NAME).exists()
+    assert_same_logits(model, LlamaForCausalLM.from_pretrained(tmp_path).eval())
+
+
+# 200 kB holds every tensor of CFG (the largest, gate_proj and up_proj, are 196,608 bytes); at 100 kB
+# the embedding, lm_head and the MLP tensors are each larger than the limit.
+@pytest.mark.parametrize("limit", [200_000, 100_000])
+def test_sharded_export_keeps_shards_under_the_limit_and_indexes_them(tmp_path, limit):
+    """Shard i of N is model-0000i-of-0000N.safetensors and holds at most `limit` bytes of tensors
+    (a tensor larger than the limit gets a shard of its own); the index maps every tensor to its
+    shard and its total_size is the sum of the tensor bytes; transformers loads the directory."""
+    model = ours()
+    save_hf(tmp_path, CFG, model.state_dict().items(), max_shard_bytes=limit)
+    files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    n = len(files)
+    assert n > 1 and files == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    shard_of, total = {}, 0
+    for file in files:
+        with safe_open(tmp_path / file, framework="pt") as f:
+            sizes = [f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys()]
+            shard_of |= dict.fromkeys(f.keys(), file)
+        assert sizes and (sum(sizes) <= limit or len(sizes) == 1), (file, sizes)
+        total += sum(sizes)
+    assert set(shard_of) == set(random_hf_model().state_dict())
+    index = json.loads((tmp_path / INDEX_NAME).read_text())
+    assert index["weight_map"] == shard_of
+    assert index["metadata"]["total_size"] == total
     assert_same_logits(model, LlamaForCausalLM.from_pretrained(tmp_path).eval())
 
 
@@ -103,6 +131,50 @@ def test_mismatched_shapes_are_a_clear_error(tmp_path):
     deeper = CFG.replace(n_layers=3)
     with pytest.raises(ValueError, match=r"missing model\.layers\.2\.self_attn\.q_proj\.weight"):
         load_hf_weights(ours(deeper), tmp_path / "model.safetensors", deeper, print)
+
+
+# What an older or hand-written config.json may be reduced to: no bias flags, eps, RoPE θ, context
+# length, KV heads, head_dim or initializer range.
+MINIMAL_HF_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": CFG.dim,
+    "intermediate_size": CFG.ffn_dim, "num_hidden_layers": CFG.n_layers,
+    "num_attention_heads": CFG.n_heads, "vocab_size": CFG.vocab_size,
+}
+
+
+def test_minimal_config_loads_with_the_defaults_of_transformers(tmp_path):
+    ours_cfg, theirs = config_from_hf(MINIMAL_HF_CONFIG), HFLlamaConfig.from_dict(MINIMAL_HF_CONFIG)
+    assert (ours_cfg.norm_eps, ours_cfg.rope_theta, ours_cfg.max_seq_len, ours_cfg.n_kv_heads) == (
+        theirs.rms_norm_eps, theirs.rope_parameters["rope_theta"], theirs.max_position_embeddings,
+        theirs.num_key_value_heads,
+    )
+    assert (ours_cfg.head_dim, ours_cfg.init_std) == (theirs.head_dim, theirs.initializer_range)
+    # End to end: an export whose config.json is cut down to the minimum imports, and transformers,
+    # filling in its own defaults, computes the same logits.
+    save_hf(tmp_path, ours_cfg, ours(ours_cfg).state_dict().items())
+    (tmp_path / "config.json").write_text(json.dumps(MINIMAL_HF_CONFIG))
+    model = ours(ours_cfg, seed=5)
+    load_hf_weights(model, tmp_path, ours_cfg, print)
+    assert_same_logits(model, LlamaForCausalLM.from_pretrained(tmp_path).eval())
+
+
+def test_unexpected_tensors_are_named_and_rotary_buffers_ignored(tmp_path):
+    hf = random_hf_model()
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    buffers = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.rand(16) for i in range(CFG.n_layers)}
+    save_file(state | buffers, tmp_path / "with_rotary_buffers.safetensors")
+    model = ours(seed=5)
+    load_hf_weights(model, tmp_path / "with_rotary_buffers.safetensors", CFG, print)
+    assert_same_logits(model, hf)
+
+    extra = {"model.layers.0.self_attn.q_norm.weight": torch.ones(CFG.head_dim), "model.bias": torch.zeros(1)}
+    save_file(state | extra, tmp_path / "with_extra_tensors.safetensors")
+    model = ours(seed=5)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    named = r"unexpected tensors model\.bias, model\.layers\.0\.self_attn\.q_norm\.weight"
+    with pytest.raises(ValueError, match=named):
+        load_hf_weights(model, tmp_path / "with_extra_tensors.safetensors", CFG, print)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nothing loaded
 
 
 def test_pickle_checkpoints_are_refused(tmp_path):

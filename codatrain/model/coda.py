@@ -13,9 +13,9 @@ parameters its stages touch ("shifted" layers), and FSDP2 can shard one module a
     layers[i] W_oᵢ, γ_mlpᵢ, W_guᵢ, W_downᵢ, γ_attnᵢ₊₁, W_qkvᵢ₊₁   attention → F1 R1 F2 F3 R2 → F4ᵢ₊₁
     last      W_o, γ_mlp, W_gu, W_down, γ_final, W_lm_head    attention → F1 R1 F2 F3 R2 → LM head
 
-The checkpoint format stays canonical (eager names and layouts): `canonical_names`,
-`to_canonical` and `from_canonical` map names and permute rows (RoPE pairs adjacent inside each
-q/k head, gate/up rows interleaved).
+The checkpoint format stays canonical (eager names and layouts): `CodaLlama.layout()` maps each
+parameter to its canonical tensor and row order (RoPE pairs adjacent inside each q/k head, gate/up
+rows interleaved).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from torch import nn
 from codatrain.kernels.attention import AttentionFn, causal_attention, get_attention
 from codatrain.kernels.stages import IGNORE_INDEX, StageBackend, get_backend
 from codatrain.model.config import LlamaConfig
-from codatrain.model.llama import CanonicalLayout
+from codatrain.model.init import init_canonical_weights
+from codatrain.model.layout import Canonical, Layout
 
 
 @dataclass(frozen=True)
@@ -361,7 +362,7 @@ def gate_up_row_order(cfg: LlamaConfig, device: torch.device | str = "cpu") -> t
     return torch.stack([gate, gate + cfg.ffn_dim], dim=1).flatten()
 
 
-class CodaLlama(nn.Module, CanonicalLayout):
+class CodaLlama(nn.Module):
     """Llama decoder computed as CODA stages. `forward(tokens)` gives logits; `forward(tokens,
     targets)` the mean cross-entropy over targets that are not IGNORE_INDEX.
 
@@ -404,51 +405,34 @@ class CodaLlama(nn.Module, CanonicalLayout):
         return self.layers[-1](qkv, x, step, targets.reshape(-1))
 
     # ---- canonical state ------------------------------------------------------------------
-    def canonical_names(self) -> dict[str, str]:
-        """Native parameter FQN → canonical (eager) FQN. Parsed from the FQN's first components
-        and its last one, so wrappers inserted in between (activation checkpointing) are fine."""
-        names = {}
-        for fqn, _ in self.named_parameters():
-            parts = fqn.split(".")
-            local = parts[-1]
-            if parts[0] == "entry":
-                names[fqn] = {
-                    "embedding": "embed_tokens.weight",
-                    "gamma_attn": "layers.0.input_layernorm.weight",
-                    "w_qkv": "layers.0.self_attn.qkv_proj.weight",
-                }[local]
-                continue
-            i = int(parts[1])
-            names[fqn] = {
-                "w_o": f"layers.{i}.self_attn.o_proj.weight",
-                "gamma_mlp": f"layers.{i}.post_attention_layernorm.weight",
-                "w_gate_up": f"layers.{i}.mlp.gate_up_proj.weight",
-                "w_down": f"layers.{i}.mlp.down_proj.weight",
-                "gamma_attn_next": f"layers.{i + 1}.input_layernorm.weight",
-                "w_qkv_next": f"layers.{i + 1}.self_attn.qkv_proj.weight",
-                "gamma_final": "norm.weight",
-                "w_lm_head": "lm_head.weight",
-            }[local]
-        return names
+    def layout(self) -> Layout:
+        """Native parameter name → canonical (eager) tensor and row order. Layer i owns layer
+        i + 1's attention norm and QKV weight; the last layer owns the final norm and the head."""
+        cfg, last = self.cfg, self.cfg.n_layers - 1
+        qkv, gate_up = qkv_row_order(cfg), gate_up_row_order(cfg)
+        table = {
+            "entry.embedding": Canonical("embed_tokens.weight"),
+            "entry.gamma_attn": Canonical("layers.0.input_layernorm.weight"),
+            "entry.w_qkv": Canonical("layers.0.self_attn.qkv_proj.weight", qkv),
+        }
+        for i in range(cfg.n_layers):
+            here, nxt = f"layers.{i}.", f"layers.{i + 1}."
+            table |= {
+                here + "w_o": Canonical(here + "self_attn.o_proj.weight"),
+                here + "gamma_mlp": Canonical(here + "post_attention_layernorm.weight"),
+                here + "w_gate_up": Canonical(here + "mlp.gate_up_proj.weight", gate_up),
+                here + "w_down": Canonical(here + "mlp.down_proj.weight"),
+            }
+            if i < last:
+                table |= {
+                    here + "gamma_attn_next": Canonical(nxt + "input_layernorm.weight"),
+                    here + "w_qkv_next": Canonical(nxt + "self_attn.qkv_proj.weight", qkv),
+                }
+        return table | {
+            f"layers.{last}.gamma_final": Canonical("norm.weight"),
+            f"layers.{last}.w_lm_head": Canonical("lm_head.weight"),
+        }
 
-    def _row_order(self, name: str, device: torch.device) -> torch.Tensor | None:
-        local = name.rsplit(".", 1)[-1]
-        if local in ("w_qkv", "w_qkv_next"):
-            return qkv_row_order(self.cfg, device)
-        if local == "w_gate_up":
-            return gate_up_row_order(self.cfg, device)
-        return None
-
-    def from_canonical(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """The native tensor for parameter `name` from its full canonical tensor (same shape)."""
-        order = self._row_order(name, tensor.device)
-        return tensor if order is None else tensor[order]
-
-    def to_canonical(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """The full canonical tensor from the full native tensor of parameter `name`."""
-        order = self._row_order(name, tensor.device)
-        if order is None:
-            return tensor
-        canonical = torch.empty_like(tensor)
-        canonical[order] = tensor
-        return canonical
+    def init_weights(self, seed: int) -> None:
+        """Llama-style init, drawn per canonical tensor: the eager model's weights for `seed`."""
+        init_canonical_weights(self, seed)

@@ -5,6 +5,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+# Fields that decide tensor shapes or the function the model computes; max_seq_len and init_std
+# may change between a checkpoint and the run that loads it.
+ARCHITECTURE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "rope_theta",
+                       "norm_eps")
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -43,6 +48,15 @@ class LlamaConfig:
 
     def replace(self, **overrides: object) -> LlamaConfig:
         return dataclasses.replace(self, **overrides)
+
+    def check_architecture(self, found: LlamaConfig, source: str) -> None:
+        """A ValueError listing every architecture field where `found` (from `source`, a checkpoint
+        say) differs from this config, with the overrides that would match it."""
+        diffs = [f for f in ARCHITECTURE_FIELDS if getattr(found, f) != getattr(self, f)]
+        if diffs:
+            detail = ", ".join(f"{f}: {getattr(found, f)} there, {getattr(self, f)} here" for f in diffs)
+            fix = " ".join(f"model.{f}={getattr(found, f)}" for f in diffs)
+            raise ValueError(f"{source} holds a different model ({detail}); to match it, set {fix}")
 
     # ---- parameter counts -------------------------------------------------------------------
     def layer_matmul_params(self) -> int:

@@ -1,5 +1,8 @@
 """Llama-style weight init, defined on the canonical state so it is independent of block
-implementation and of sharding: each canonical tensor is drawn from its own seeded generator."""
+implementation and of sharding: each canonical tensor is drawn from its own seeded generator.
+
+`init_canonical_weights` fills a plain model; the trainer fills a wrapped or FSDP2-sharded one
+with `codatrain.train.parallelize.init_weights`, from the same `native_init_tensor`s."""
 
 from __future__ import annotations
 
@@ -8,9 +11,9 @@ import zlib
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from codatrain.model.config import LlamaConfig
+from codatrain.model.layout import Canonical
 
 
 def canonical_init_std(name: str, cfg: LlamaConfig) -> float | None:
@@ -31,21 +34,14 @@ def canonical_init_tensor(name: str, shape: torch.Size, cfg: LlamaConfig, seed: 
     return torch.randn(shape, generator=generator, device="cpu").mul_(std)
 
 
-def set_full_tensor(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy a full (unsharded) tensor into a parameter that may be an FSDP2-sharded DTensor."""
-    if isinstance(param, DTensor):
-        # Every rank holds the same full tensor, so each takes its shard locally (no scatter).
-        full = distribute_tensor(
-            full.to(param.device, param.dtype), param.device_mesh, param.placements, src_data_rank=None
-        )
-    param.copy_(full)
+def native_init_tensor(canonical: Canonical, shape: torch.Size, cfg: LlamaConfig, seed: int) -> torch.Tensor:
+    """The full initial value of a native parameter, drawn as its canonical tensor."""
+    return canonical.to_native(canonical_init_tensor(canonical.name, shape, cfg, seed))
 
 
 @torch.no_grad()
-def init_canonical_weights(model: nn.Module, cfg: LlamaConfig, seed: int) -> None:
-    names = model.canonical_names()  # type: ignore[attr-defined]
-    for native_name, param in model.named_parameters():
-        canonical = names[native_name]
-        shape = param.shape  # DTensor.shape is the global shape
-        full = canonical_init_tensor(canonical, shape, cfg, seed)
-        set_full_tensor(param, model.from_canonical(native_name, full))  # type: ignore[attr-defined]
+def init_canonical_weights(model: nn.Module, seed: int) -> None:
+    """Fill every parameter of `model` (unwrapped, unsharded; it has `cfg` and `layout()`)."""
+    layout = model.layout()  # type: ignore[operator]
+    for name, param in model.named_parameters():
+        param.copy_(native_init_tensor(layout[name], param.shape, model.cfg, seed))  # type: ignore[arg-type]

@@ -14,6 +14,7 @@ from torch import nn
 from codatrain.kernels.stages import IGNORE_INDEX, rope_inv_freq
 from codatrain.model.config import LlamaConfig
 from codatrain.model.init import init_canonical_weights
+from codatrain.model.layout import Canonical, Layout, canonical_names
 
 
 class RMSNorm(nn.Module):
@@ -87,42 +88,6 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-# Wrappers that activation checkpointing and torch.compile put into parameter names.
-WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def strip_wrapper_prefixes(fqn: str) -> str:
-    for prefix in WRAPPER_PREFIXES:
-        fqn = fqn.replace(prefix, "")
-    return fqn
-
-
-class CanonicalLayout:
-    """How a model's own parameters map onto the canonical state (the eager names and layouts).
-
-    Every mapping is one native tensor ↔ one canonical tensor, a rename plus an optional row
-    permutation, so it applies equally to parameters and to per-parameter optimizer state.
-    The eager model is canonical: names map to themselves and tensors are untouched.
-    """
-
-    def canonical_names(self) -> dict[str, str]:
-        return {
-            name: strip_wrapper_prefixes(name) for name, _ in self.named_parameters()  # type: ignore[attr-defined]
-        }
-
-    def to_canonical(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    def from_canonical(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
-        """Llama-style init, generated per canonical tensor so every block implementation and
-        every sharding of the same seed starts from the same weights."""
-        init_canonical_weights(self, self.cfg, seed)  # type: ignore[attr-defined]
-
-
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over the targets that are not IGNORE_INDEX (≥ fp32 math)."""
     logits = logits.flatten(0, 1)
@@ -132,7 +97,7 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     )
 
 
-class Llama(nn.Module, CanonicalLayout):
+class Llama(nn.Module):
     """Llama decoder. `forward(tokens)` gives logits; `forward(tokens, targets)` the mean loss."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
@@ -148,6 +113,14 @@ class Llama(nn.Module, CanonicalLayout):
     def blocks(self) -> list[nn.Module]:
         """The modules FSDP2 shards one at a time (and that compile/checkpointing wrap)."""
         return list(self.layers)
+
+    def layout(self) -> Layout:
+        """The eager model is canonical: every parameter maps to itself, rows untouched."""
+        return {name: Canonical(name) for name in canonical_names(self.cfg)}
+
+    def init_weights(self, seed: int) -> None:
+        """Llama-style init, drawn per canonical tensor (see `init_canonical_weights`)."""
+        init_canonical_weights(self, seed)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if tokens.shape[1] > self.cfg.max_seq_len:

@@ -1,4 +1,4 @@
-"""Training checkpoints (torch.distributed.checkpoint), Hugging Face export, and init_from imports.
+"""The training checkpoint format (torch.distributed.checkpoint): writing, reading, checking.
 
 A checkpoint is a directory `<run_dir>/checkpoints/step_<n>/`:
 
@@ -19,9 +19,9 @@ rest of the state is JSON; DCP's default format would pickle its index and non-t
 Resuming restores the optimizer's hyperparameters and the LR schedule from the checkpoint (as
 torch's own optimizer state dicts do), so changed `optim.*` values take effect only in a fresh run.
 
-A save is atomic: every rank writes into `.tmp-step_<n>/`, then, after a barrier, rank 0 writes
-the manifest and renames the directory. A crash mid-save leaves only the temporary directory,
-which `resume=auto` ignores and the next save removes.
+A save is atomic (codatrain/train/checkpointer.py): every rank writes into `.tmp-step_<n>/`, then,
+after a barrier, rank 0 writes the manifest and renames the directory. A crash mid-save leaves only
+the temporary directory, which `resume=auto` ignores and the next save removes.
 
 Resuming on another number of processes: tensors reshard. Per-rank state (data loaders, RNG)
 is restored rank by rank when the world size is unchanged. Otherwise a state that was the same on
@@ -58,25 +58,18 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from codatrain.config import CheckpointConfig
 from codatrain.model.config import LlamaConfig
-from codatrain.model.hf import DEFAULT_MAX_SHARD_BYTES, HFCheckpoint, config_from_hf, save_hf
-from codatrain.model.init import set_full_tensor
-from codatrain.model.llama import strip_wrapper_prefixes
+from codatrain.model.layout import permute_rows
 from codatrain.train.distributed import barrier
+from codatrain.train.parallelize import strip_wrapper_prefixes
 
 CHECKPOINTS_DIR = "checkpoints"
-HF_EXPORTS_DIR = "hf"
 MANIFEST = "checkpoint.json"
 FORMAT = "codatrain-checkpoint"
 FORMAT_VERSION = 1
 TMP_PREFIX = ".tmp-"
 _MANIFEST_KEYS = ("step", "world_size", "model_config", "scheduler", "optimizer_param_groups", "files")
 _STEP_DIR = re.compile(r"step_(\d+)")
-# Fields that decide tensor shapes or the function the model computes; max_seq_len and init_std
-# may change between a checkpoint and the run that loads it.
-ARCHITECTURE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "rope_theta",
-                       "norm_eps")
 
 Log = Callable[[str], None]
 
@@ -91,7 +84,7 @@ class CheckpointError(RuntimeError):
     """A checkpoint directory is missing, incomplete or corrupted, or does not fit this run."""
 
 
-def _rank() -> int:
+def process_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
@@ -108,7 +101,7 @@ def _dcp_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
         dcp.save(tensors, storage_writer=writer, no_dist=not dist.is_initialized())
 
 
-def _dcp_load(tensors: dict[str, torch.Tensor], path: Path) -> None:
+def dcp_load(tensors: dict[str, torch.Tensor], path: Path) -> None:
     """Fill `tensors` in place (each rank its shards) from the checkpoint at `path`."""
     reader = dcp.HuggingFaceStorageReader(str(path))
     with warnings.catch_warnings():
@@ -117,56 +110,31 @@ def _dcp_load(tensors: dict[str, torch.Tensor], path: Path) -> None:
 
 
 # ---- native ↔ canonical --------------------------------------------------------------------------
-def _row_permutation(adapter: Callable[[str, torch.Tensor], torch.Tensor], name: str,
-                     shape: torch.Size) -> torch.Tensor | None:
-    """The row permutation an adapter applies to tensor `name`, or None for the identity.
-
-    Adapters are per-tensor row permutations (CanonicalLayout), so applying one to a column of
-    row indices yields the permutation itself, without touching the (possibly sharded) data.
-    """
-    if len(shape) == 0:
-        return None
-    rows = torch.arange(shape[0])
-    perm = adapter(name, rows.view(-1, *[1] * (len(shape) - 1))).reshape(-1)
-    if not torch.equal(perm.sort().values, rows):
-        raise ValueError(f"the layout adapter of {name} is not a row permutation")
-    return None if torch.equal(perm, rows) else perm
-
-
-def _permute_rows(tensor: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
-    if perm is None:
-        return tensor
-    if isinstance(tensor, DTensor):
+def _permute_rows(tensor: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    if order is not None and isinstance(tensor, DTensor):
         # Rows move across shards: gather, permute, and let each rank take its shard back.
-        full = tensor.full_tensor()[perm.to(tensor.device)]
+        full = permute_rows(tensor.full_tensor(), order)
         return distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None)
-    return tensor[perm.to(tensor.device)]
+    return permute_rows(tensor, order)
 
 
 class CanonicalMapping:
-    """A model's native parameter names → canonical names, and the row permutations between their
-    layouts, which apply equally to parameters and to same-shaped optimizer state.
+    """A model's layout table (`model.layout()`, codatrain/model/layout.py) applied to its possibly
+    wrapped and sharded parameters, and to optimizer state of their shapes.
 
-    Names are used without wrapper prefixes (as DCP's state-dict helpers report them); the model's
-    adapters are called with those names.
+    Names are used without wrapper prefixes, as DCP's state-dict helpers report them.
     """
 
     def __init__(self, model: nn.Module) -> None:
-        self.canonical = {
-            strip_wrapper_prefixes(native): strip_wrapper_prefixes(canonical)
-            for native, canonical in model.canonical_names().items()  # type: ignore[operator]
-        }
-        self.shapes: dict[str, torch.Size] = {}
-        self._to: dict[str, torch.Tensor | None] = {}
-        self._from: dict[str, torch.Tensor | None] = {}
-        for name, param in model.named_parameters():
-            native = strip_wrapper_prefixes(name)
-            self.shapes[native] = param.shape  # the global shape, also for a sharded DTensor
-            self._to[native] = _row_permutation(model.to_canonical, native, param.shape)  # type: ignore[arg-type]
-            self._from[native] = _row_permutation(model.from_canonical, native, param.shape)  # type: ignore[arg-type]
+        layout = model.layout()  # type: ignore[operator]
+        self.canonical = {native: entry.name for native, entry in layout.items()}
+        self._to = {native: entry.inverse_order() for native, entry in layout.items()}
+        self._from = {native: entry.row_order for native, entry in layout.items()}
+        # The global shapes, also for sharded DTensors.
+        self.shapes = {strip_wrapper_prefixes(name): p.shape for name, p in model.named_parameters()}
 
     def is_identity(self, native: str) -> bool:
-        return self._to[native] is None
+        return self._from[native] is None
 
     def to_canonical(self, native: str, tensor: torch.Tensor) -> torch.Tensor:
         return _permute_rows(tensor, self._to[native])
@@ -227,7 +195,7 @@ def load_canonical_state(path: Path, model: nn.Module, optimizer: torch.optim.Op
         fqn: container[key] if not shaped or mapping.is_identity(native) else torch.empty_like(container[key])
         for fqn, container, key, native, shaped in entries
     }
-    _dcp_load(template, path)
+    dcp_load(template, path)
     for fqn, container, key, native, shaped in entries:
         container[key] = mapping.from_canonical(native, template[fqn]) if shaped else template[fqn]
     set_model_state_dict(model, model_state)
@@ -260,7 +228,7 @@ def _rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.json"
 
 
-def _replace_dir(tmp: Path, final: Path) -> None:
+def replace_dir(tmp: Path, final: Path) -> None:
     """Publish `tmp` as `final` by renaming; an existing `final` is replaced, never half-written."""
     if final.exists():
         old = final.with_name(f"{TMP_PREFIX}old-{final.name}")
@@ -339,16 +307,6 @@ def latest_checkpoint(root: str | os.PathLike, log: Log) -> Path | None:
     return None
 
 
-def check_architecture(found: LlamaConfig, expected: LlamaConfig, source: str) -> None:
-    """A ValueError listing every architecture field where `found` (from `source`) differs from
-    this run's model config, with the overrides that would match it."""
-    diffs = [f for f in ARCHITECTURE_FIELDS if getattr(found, f) != getattr(expected, f)]
-    if diffs:
-        detail = ", ".join(f"{f}: {getattr(found, f)} there, {getattr(expected, f)} here" for f in diffs)
-        fix = " ".join(f"model.{f}={getattr(found, f)}" for f in diffs)
-        raise ValueError(f"{source} holds a different model ({detail}); to match it, set {fix}")
-
-
 # ---- RNG -----------------------------------------------------------------------------------------
 def _rng_state() -> dict[str, Any]:
     version, internal, gauss = random.getstate()
@@ -373,228 +331,72 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
 
 
-# ---- imports from Hugging Face -------------------------------------------------------------------
-@torch.no_grad()
-def load_hf_weights(model: nn.Module, path: str | os.PathLike, model_cfg: LlamaConfig, log: Log) -> None:
-    """Load HF Llama weights (a directory or a .safetensors file) into `model`, which may be
-    FSDP2-sharded; ValueError on a config or shape mismatch (nothing is loaded then)."""
-    ckpt = HFCheckpoint(path)
-    if ckpt.config is not None:
-        check_architecture(config_from_hf(ckpt.config), model_cfg, f"init_from={path}")
-    mapping = CanonicalMapping(model)
-    ckpt.check({mapping.canonical[n]: tuple(s) for n, s in mapping.shapes.items()}, model_cfg)
-    for name, param in model.named_parameters():
-        native = strip_wrapper_prefixes(name)
-        full = ckpt.canonical(mapping.canonical[native]).to(param.dtype)
-        set_full_tensor(param, mapping.from_canonical(native, full))
-    tied = " (tied embeddings: lm_head starts as a copy of embed_tokens)" if ckpt.tied_embeddings else ""
-    log(f"initialised weights from {path}{tied}")
 
 
-# ---- exports to Hugging Face ---------------------------------------------------------------------
-def _checkpoint_model_tensors(path: Path, group_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """The canonical model tensors of a checkpoint, read in groups of about `group_bytes`."""
-    metadata = dcp.HuggingFaceStorageReader(str(path)).read_metadata()
-    group: dict[str, torch.Tensor] = {}
-    size = 0
-    names = [k for k in metadata.state_dict_metadata if k.startswith("model.")]
-    for i, fqn in enumerate(names):
-        meta = metadata.state_dict_metadata[fqn]
-        group[fqn] = torch.empty(meta.size, dtype=meta.properties.dtype)
-        size += group[fqn].numel() * group[fqn].element_size()
-        if size >= group_bytes or i == len(names) - 1:
-            _dcp_load(group, path)
-            for key, tensor in group.items():
-                yield key.removeprefix("model."), tensor
-            group, size = {}, 0
+# ---- a whole training state ----------------------------------------------------------------------
+def write_checkpoint(directory: Path, step: int, model_cfg: LlamaConfig, model: nn.Module,
+                     optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+                     loaders: Mapping[str, Stateful], mapping: CanonicalMapping) -> None:
+    """Every rank writes its tensors and state into the existing `directory`; after a barrier,
+    rank 0 writes the manifest, last."""
+    rank = process_rank()
+    tensors, param_groups = canonical_state(model, optimizer, mapping)
+    _dcp_save(tensors, directory)
+    loader_states = {name: loader.state_dict() for name, loader in loaders.items()}
+    try:
+        _write_json(directory / _rank_file(rank), {"loaders": loader_states, "rng": _rng_state()})
+    except TypeError as error:
+        raise TypeError(f"the data-loader state must be JSON-serializable: {error}") from None
+    barrier()
+    if rank == 0:
+        manifest = {
+            "format": FORMAT, "version": FORMAT_VERSION, "step": step, "world_size": _world_size(),
+            "model_config": dataclasses.asdict(model_cfg),
+            "scheduler": scheduler.state_dict(),
+            "optimizer_param_groups": param_groups,
+            "files": {p.name: p.stat().st_size for p in sorted(directory.iterdir())},
+        }
+        _write_json(directory / MANIFEST, manifest)
 
 
-def export_checkpoint_to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
-                            dtype: torch.dtype | None = None,
-                            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> LlamaConfig:
-    """Write a training checkpoint's weights as an HF Llama directory (single process)."""
-    manifest = inspect_checkpoint(checkpoint)
-    cfg = LlamaConfig(**manifest["model_config"])
-    tensors = _checkpoint_model_tensors(Path(checkpoint), group_bytes=1 << 30)
-    save_hf(out_dir, cfg, tensors, dtype=dtype, max_shard_bytes=max_shard_bytes)
-    return cfg
+def load_checkpoint(path: Path, model_cfg: LlamaConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    scheduler: torch.optim.lr_scheduler.LRScheduler, loaders: Mapping[str, Stateful],
+                    mapping: CanonicalMapping, log: Log) -> int:
+    """Load everything from a checkpoint directory; returns its step."""
+    manifest = inspect_checkpoint(path)
+    try:
+        model_cfg.check_architecture(LlamaConfig(**manifest["model_config"]), f"checkpoint {path}")
+    except ValueError as error:
+        raise CheckpointError(str(error)) from None
+    load_canonical_state(path, model, optimizer, mapping, manifest["optimizer_param_groups"])
+    scheduler.load_state_dict(manifest["scheduler"])
+    _load_rank_state(path, manifest["world_size"], loaders, log)
+    log(f"resumed from {path} at step {manifest['step']}")
+    return int(manifest["step"])
 
 
-# ---- the trainer's interface ---------------------------------------------------------------------
-class Checkpointer:
-    """Saves and restores a training run: `restore()` once before training, `after_step()` after
-    every optimizer step. Every rank calls both (they contain collectives)."""
-
-    def __init__(self, cfg: CheckpointConfig, run_dir: str | os.PathLike, model_cfg: LlamaConfig,
-                 model: nn.Module, optimizer: torch.optim.Optimizer,
-                 scheduler: torch.optim.lr_scheduler.LRScheduler, loaders: Mapping[str, Stateful],
-                 log: Log) -> None:
-        self.cfg, self.model_cfg = cfg, model_cfg
-        self.run_dir = Path(run_dir)
-        self.root = self.run_dir / CHECKPOINTS_DIR
-        self.model, self.optimizer, self.scheduler, self.loaders = model, optimizer, scheduler, loaders
-        self.log = log
-        self.mapping = CanonicalMapping(model)
-
-    # ---- restore ------------------------------------------------------------------------------
-    def restore(self) -> int:
-        """Resume per `checkpoint.resume`, else start from `init_from` weights if set; returns the
-        step training continues from. A resumable checkpoint takes precedence over `init_from`
-        (an interrupted finetuning run continues from its own checkpoint)."""
-        path = self._rank0_decides(self._resume_path)
-        if path is not None:
-            if self.cfg.init_from:
-                self.log(f"checkpoint.init_from={self.cfg.init_from} ignored: resuming from {path}")
-            return self.load(Path(path))
-        if self.cfg.init_from:
-            load_hf_weights(self.model, self.cfg.init_from, self.model_cfg, self.log)
-        return 0
-
-    def _resume_path(self) -> str | None:
-        resume = self.cfg.resume
-        if resume == "none":
-            if checkpoint_dirs(self.root):
-                raise CheckpointError(
-                    f"checkpoint.resume=none, but {self.root} holds checkpoints of an earlier run that "
-                    "later saves would mix with: resume them (checkpoint.resume=auto), or use another "
-                    "train.run_dir"
+def _load_rank_state(path: Path, saved_world_size: int, loaders: Mapping[str, Stateful], log: Log) -> None:
+    if saved_world_size == _world_size():
+        mine = json.loads((path / _rank_file(process_rank())).read_text())
+    else:
+        states = [json.loads((path / _rank_file(r)).read_text()) for r in range(saved_world_size)]
+        mine = {"loaders": {}, "rng": None}
+        for name in loaders:
+            values = [s["loaders"].get(name) for s in states]
+            if all(v == values[0] for v in values):
+                mine["loaders"][name] = values[0]
+            else:
+                log(
+                    f"warning: the {name} data state differs per rank and cannot move from "
+                    f"{saved_world_size} to {_world_size()} processes; that loader starts from its "
+                    "beginning"
                 )
-            return None
-        if resume == "auto":
-            path = latest_checkpoint(self.root, self.log)
-            return None if path is None else str(path)
-        inspect_checkpoint(resume)  # a checkpoint named explicitly must be complete
-        return resume
-
-    @staticmethod
-    def _rank0_decides(decide: Callable[[], str | None]) -> str | None:
-        """Run `decide` on rank 0 only (one scan of the file system, one set of warnings) and give
-        its answer, or its error, to every rank (so no rank waits for an answer that never comes)."""
-        answer: list[str | None] = [None, None]  # result, error
-        if _rank() == 0:
-            try:
-                answer[0] = decide()
-            except CheckpointError as error:
-                answer[1] = str(error)
-            except Exception as error:  # an OSError, say: the other ranks must not hang
-                answer[1] = f"{type(error).__name__}: {error}"
-        if dist.is_initialized():
-            dist.broadcast_object_list(answer, src=0)
-        if answer[1] is not None:
-            raise CheckpointError(answer[1])
-        return answer[0]
-
-    def load(self, path: Path) -> int:
-        """Load everything from a checkpoint directory; returns its step."""
-        manifest = inspect_checkpoint(path)
-        try:
-            check_architecture(LlamaConfig(**manifest["model_config"]), self.model_cfg, f"checkpoint {path}")
-        except ValueError as error:
-            raise CheckpointError(str(error)) from None
-        groups = manifest["optimizer_param_groups"]
-        load_canonical_state(path, self.model, self.optimizer, self.mapping, groups)
-        self.scheduler.load_state_dict(manifest["scheduler"])
-        self._load_rank_state(path, manifest["world_size"])
-        self.log(f"resumed from {path} at step {manifest['step']}")
-        return int(manifest["step"])
-
-    def _load_rank_state(self, path: Path, saved_world_size: int) -> None:
-        if saved_world_size == _world_size():
-            mine = json.loads((path / _rank_file(_rank())).read_text())
-        else:
-            states = [json.loads((path / _rank_file(r)).read_text()) for r in range(saved_world_size)]
-            mine = {"loaders": {}, "rng": None}
-            for name in self.loaders:
-                values = [s["loaders"].get(name) for s in states]
-                if all(v == values[0] for v in values):
-                    mine["loaders"][name] = values[0]
-                else:
-                    self.log(
-                        f"warning: the {name} data state differs per rank and cannot move from "
-                        f"{saved_world_size} to {_world_size()} processes; that loader starts from its "
-                        "beginning"
-                    )
-            if all(s["rng"] == states[0]["rng"] for s in states):
-                mine["rng"] = states[0]["rng"]
-        for name, loader in self.loaders.items():
-            if mine["loaders"].get(name) is not None:
-                loader.load_state_dict(mine["loaders"][name])
-            elif saved_world_size == _world_size():
-                self.log(f"warning: {path} has no state for the {name} data; it starts from its beginning")
-        if mine["rng"] is not None:
-            _set_rng_state(mine["rng"])
-
-    # ---- save ---------------------------------------------------------------------------------
-    def after_step(self, step: int, total_steps: int) -> None:
-        """Save a checkpoint and/or an HF export when one is due after optimizer step `step`."""
-        final = step == total_steps
-        if (self.cfg.every > 0 and step % self.cfg.every == 0) or (final and self.cfg.at_end):
-            self.save(step)
-        if self.cfg.save_hf_every > 0 and (step % self.cfg.save_hf_every == 0 or final):
-            self.export_hf(step)
-
-    def save(self, step: int) -> Path:
-        """Write `<run_dir>/checkpoints/step_<step>` atomically; keep the newest `keep_last`."""
-        final = self.root / f"step_{step}"
-        tmp = self.root / f"{TMP_PREFIX}{final.name}"
-        rank = _rank()
-        if rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            for stale in self.root.glob(f"{TMP_PREFIX}*"):  # left by a crash during an earlier save
-                shutil.rmtree(stale)
-            tmp.mkdir()
-        barrier()
-        tensors, param_groups = canonical_state(self.model, self.optimizer, self.mapping)
-        _dcp_save(tensors, tmp)
-        loaders = {name: loader.state_dict() for name, loader in self.loaders.items()}
-        try:
-            _write_json(tmp / _rank_file(rank), {"loaders": loaders, "rng": _rng_state()})
-        except TypeError as error:
-            raise TypeError(f"the data-loader state must be JSON-serializable: {error}") from None
-        barrier()
-        if rank == 0:
-            manifest = {
-                "format": FORMAT, "version": FORMAT_VERSION, "step": step, "world_size": _world_size(),
-                "model_config": dataclasses.asdict(self.model_cfg),
-                "scheduler": self.scheduler.state_dict(),
-                "optimizer_param_groups": param_groups,
-                "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir())},
-            }
-            _write_json(tmp / MANIFEST, manifest)
-            _replace_dir(tmp, final)
-            self._prune(keep=final)
-            self.log(f"saved checkpoint {final}")
-        barrier()
-        return final
-
-    def _prune(self, keep: Path) -> None:
-        """Delete complete checkpoints beyond the newest `keep_last` (never `keep`, the one just
-        written). Incomplete ones are left for inspection; they never count as resumable."""
-        if self.cfg.keep_last <= 0:
-            return
-        complete = []
-        for _, path in checkpoint_dirs(self.root):
-            try:
-                inspect_checkpoint(path)
-            except CheckpointError:
-                continue
-            complete.append(path)
-        for path in complete[self.cfg.keep_last:]:
-            if path != keep:
-                shutil.rmtree(path)
-
-    def export_hf(self, step: int) -> Path:
-        """Write the current weights as an HF Llama directory `<run_dir>/hf/step_<step>`."""
-        out = self.run_dir / HF_EXPORTS_DIR / f"step_{step}"
-        tensors = full_canonical_tensors(self.model, self.mapping)
-        if _rank() == 0:
-            tmp = out.with_name(f"{TMP_PREFIX}{out.name}")
-            shutil.rmtree(tmp, ignore_errors=True)
-            save_hf(tmp, self.model_cfg, tensors)
-            _replace_dir(tmp, out)
-            self.log(f"exported Hugging Face weights to {out}")
-        else:
-            for _ in tensors:  # take part in the gathers
-                pass
-        barrier()
-        return out
+        if all(s["rng"] == states[0]["rng"] for s in states):
+            mine["rng"] = states[0]["rng"]
+    for name, loader in loaders.items():
+        if mine["loaders"].get(name) is not None:
+            loader.load_state_dict(mine["loaders"][name])
+        elif saved_world_size == _world_size():
+            log(f"warning: {path} has no state for the {name} data; it starts from its beginning")
+    if mine["rng"] is not None:
+        _set_rng_state(mine["rng"])

@@ -16,7 +16,8 @@ from codatrain.config import RunConfig, model_config, validate
 from codatrain.data import build_loaders
 from codatrain.kernels.resolve import resolve_block
 from codatrain.model import build_model
-from codatrain.train.checkpoint import CHECKPOINTS_DIR, Checkpointer, checkpoint_dirs
+from codatrain.train.checkpoint import CHECKPOINTS_DIR, checkpoint_dirs
+from codatrain.train.checkpointer import Checkpointer
 from codatrain.train.distributed import (
     DistInfo,
     all_reduce_mean,
@@ -39,6 +40,7 @@ from codatrain.train.parallelize import (
     apply_compile,
     apply_fsdp,
     data_parallel_mesh,
+    init_weights,
     reshard_after_eval,
 )
 from codatrain.train.profiling import StepProfiler
@@ -108,7 +110,7 @@ class Trainer:
             mesh = data_parallel_mesh(device, dist_info.world_size)
             apply_fsdp(model, mesh, mixed_precision=device.type == "cuda")
         model.to_empty(device=device)
-        model.init_weights(tcfg.seed)
+        init_weights(model, tcfg.seed)
         self.model = model
         # Without FSDP2 (a single plain process) a GPU still trains in bf16, through autocast.
         self.autocast = device.type == "cuda" and not dist_info.is_distributed

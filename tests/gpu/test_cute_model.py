@@ -41,16 +41,16 @@ CASES = {
 
 @torch.no_grad()
 def load(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    names = model.canonical_names()
+    layout = model.layout()
     for name, param in model.named_parameters():
-        param.copy_(model.from_canonical(name, state[names[name]].to(DEVICE, param.dtype)))
+        param.copy_(layout[name].to_native(state[layout[name].name].to(DEVICE, param.dtype)))
 
 
 def loss_and_grads(model, tokens, targets) -> tuple[float, dict[str, torch.Tensor]]:
     loss = model(tokens, targets)
     loss.backward()
-    names = model.canonical_names()
-    grads = {names[n]: model.to_canonical(n, p.grad).double() for n, p in model.named_parameters()}
+    layout = model.layout()
+    grads = {layout[n].name: layout[n].to_canonical(p.grad).double() for n, p in model.named_parameters()}
     return loss.item(), grads
 
 

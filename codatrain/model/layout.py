@@ -1,0 +1,56 @@
+"""Canonical layouts: how a model's own parameters map onto the canonical state.
+
+The canonical state is the eager Llama's (codatrain/model/llama.py): HF Llama names and layouts
+with QKV and gate/up fused row-wise. Checkpoints, HF import/export and weight init work on it, so
+every block implementation trains, saves and loads the same weights.
+
+A model describes its mapping in one table, `model.layout()`: native parameter name (as the model
+names it, without the prefixes that wrappers such as activation checkpointing insert) → its
+`Canonical` tensor. Every entry is one native tensor ↔ one canonical tensor of the same shape, a
+rename plus an optional row permutation, so it applies equally to a parameter and to optimizer
+state of the parameter's shape.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from codatrain.model.config import LlamaConfig
+
+
+class Canonical(NamedTuple):
+    """Where a native parameter lives in the canonical state."""
+
+    name: str
+    # Native row r holds canonical row row_order[r] (a permutation, on the CPU); None: same rows.
+    row_order: torch.Tensor | None = None
+
+    def to_native(self, canonical: torch.Tensor) -> torch.Tensor:
+        """The native tensor from the full canonical one."""
+        return permute_rows(canonical, self.row_order)
+
+    def to_canonical(self, native: torch.Tensor) -> torch.Tensor:
+        """The full canonical tensor from the full native one."""
+        return permute_rows(native, self.inverse_order())
+
+    def inverse_order(self) -> torch.Tensor | None:
+        """Canonical row c is native row inverse_order()[c]."""
+        return None if self.row_order is None else torch.argsort(self.row_order)
+
+
+Layout = dict[str, Canonical]
+
+
+def permute_rows(tensor: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """Row r of the result is row order[r] of `tensor` (the tensor itself for None)."""
+    return tensor if order is None else tensor[order.to(tensor.device)]
+
+
+def canonical_names(cfg: LlamaConfig) -> list[str]:
+    """The tensors of the canonical state, in the eager model's parameter order."""
+    layer = ["input_layernorm", "self_attn.qkv_proj", "self_attn.o_proj", "post_attention_layernorm",
+             "mlp.gate_up_proj", "mlp.down_proj"]
+    layers = [f"layers.{i}.{name}.weight" for i in range(cfg.n_layers) for name in layer]
+    return ["embed_tokens.weight", *layers, "norm.weight", "lm_head.weight"]
