@@ -121,7 +121,7 @@ def test_fp32_loss_and_gradients_match_eager():
 
 
 def test_bf16_errors_no_worse_than_eager_bf16():
-    """DESIGN §5's bar for low precision: against fp64, the bf16 CODA loss and gradients are within
+    """docs/design.md §5's bar for low precision: against fp64, the bf16 CODA loss and gradients are within
     2× the error of the eager model run in bf16 (observed: 0.7–1.3×)."""
     cfg = CONFIGS["gqa2-L3"]
     exact, _ = model_pair(cfg, torch.float64)
@@ -240,7 +240,7 @@ def saved_activation_bytes(model, tokens, targets) -> int:
 @pytest.mark.parametrize("name", ["gqa2-L3", "mqa6-L5"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_coda_keeps_less_for_backward_than_eager(name, dtype):
-    """DESIGN: CODA never needs more activation memory than eager at the same batch; with a
+    """docs/design.md: CODA never needs more activation memory than eager at the same batch; with a
     vocabulary larger than the widths (as in every Llama) the logits dominate eager's."""
     cfg = CONFIGS[name].replace(vocab_size=2048)
     eager, coda = model_pair(cfg, dtype)

@@ -150,7 +150,7 @@ def test_cross_entropy_backward_stages(s):
         dx_chunks, dgamma = [], 0
         for rows in (slice(0, 20), slice(20, M)):
             dlogits, zdz = s.gemm_rstd_ce_bwd(h[rows], w_lm, rstd[rows], targets[rows], lse[rows], grad_scale)
-            # DESIGN §3: ZdZ of the final norm = grad_scale·(E_softmax[ℓ] − ℓ_target) on counted rows.
+            # docs/design.md §3: ZdZ of the final norm = grad_scale·(E_softmax[ℓ] − ℓ_target) on counted rows.
             p = torch.softmax(logits[rows], -1)
             counted = targets[rows] != IGNORE_INDEX
             expected_zdz = grad_scale * ((p * logits[rows]).sum(-1) - target_logit[rows])

@@ -1,5 +1,5 @@
 """Ahead-of-time compilation of the CuTeDSL kernels a training config launches, into a cache
-directory that training jobs load them from (DESIGN §4).
+directory that training jobs load them from (docs/design.md §4).
 
 The kernels are known before training starts: which ones depends on the model widths, the
 micro-batch (FlashAttention 4 picks its variant from batch and sequence length) and which parts

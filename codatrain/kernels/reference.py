@@ -208,7 +208,7 @@ class ReferenceStages(StageBackend):
         st = rstd.dtype
         dn = (dz @ weight).to(st)
         xs, g, r = x.to(st), gamma.to(st), rstd[:, None]
-        # dx = r·(dn⊙γ − x·r·ZdZ) with ZdZ = zdz/d = r·Σ_k dn_k γ_k x_k / d (DESIGN §3).
+        # dx = r·(dn⊙γ − x·r·ZdZ) with ZdZ = zdz/d = r·Σ_k dn_k γ_k x_k / d (docs/design.md §3).
         dx = r * (dn * g - xs * r * (zdz[:, None] / x.shape[1]))
         if residual_grad is not None:
             dx += residual_grad.to(st)

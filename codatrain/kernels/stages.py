@@ -1,4 +1,4 @@
-"""The stage API of the CODA block (DESIGN §3): one method per forward and per backward stage.
+"""The stage API of the CODA block (docs/design.md §3): one method per forward and per backward stage.
 
 A CODA layer is a short sequence of *GEMM + epilogue* stages, attention, and tiny row
 reductions. This module fixes what every stage takes and returns; backends implement it:
@@ -21,12 +21,12 @@ Conventions shared by every stage
   ``(a, b) → (a·cos − b·sin, a·sin + b·cos)``. The fused QKV columns are
   ``[q heads | k heads | v heads]``, each head ``head_dim`` wide; the first ``rope_heads`` heads
   (h_q + h_kv) are rotated, the v heads are not.
-- RMSNorm is split as in DESIGN §3: the stage that produces the residual stream ``x`` writes
+- RMSNorm is split as in docs/design.md §3: the stage that produces the residual stream ``x`` writes
   ``h = x ⊙ γ`` and partial sums of x²; `rstd_from_partials` turns them into
   ``rstd = (mean_j x_j² + ε)^-1/2``; the consuming GEMM multiplies its accumulator rows by rstd.
 - ``zdz`` is always the raw row dot product ``zdz[m] = Σ_n z[m, n] · dz[m, n]`` between the
   output ``z`` of the GEMM that consumes a norm and its gradient ``dz``. `gemm_rms_bwd` divides
-  it by the norm width d (DESIGN's ZdZ = zdz / d).
+  it by the norm width d (the ZdZ of docs/design.md §3 = zdz / d).
 - No stage keeps state between calls; every input and output is explicit.
 
 Registering a backend
@@ -127,7 +127,7 @@ class DSwigluOut(NamedTuple):
 class StageBackend(ABC):
     """One implementation of every CODA stage. Subclasses implement all abstract methods.
 
-    Forward of one middle layer (DESIGN §3): `gemm_residual_rms` (F1, out-proj) →
+    Forward of one middle layer (docs/design.md §3): `gemm_residual_rms` (F1, out-proj) →
     `rstd_from_partials` (R1) → `gemm_rstd_swiglu` (F2) → `gemm_residual_rms` (F3, down) →
     `rstd_from_partials` (R2) → `gemm_rstd_rope` (F4, next layer's QKV) → attention.
     The model starts with `entry` + `gemm_rstd_rope` and ends with `gemm_rstd_lse` (training) or

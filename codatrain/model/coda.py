@@ -1,7 +1,7 @@
 """The CODA Llama: the same model as `codatrain.model.llama.Llama`, computed as GEMM + epilogue stages.
 
 Every memory-bound operator (RMSNorm, RoPE, residual adds, SwiGLU, the LM-head cross-entropy)
-runs inside a stage of `codatrain.kernels.stages` (DESIGN §3). Custom autograd Functions call the
+runs inside a stage of `codatrain.kernels.stages` (docs/design.md §3). Custom autograd Functions call the
 forward stages and, in backward, the backward stages: autograd never differentiates through
 stage math, only through attention, which sits between Functions.
 

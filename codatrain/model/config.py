@@ -1,4 +1,4 @@
-"""Model shapes: `LlamaConfig`, its named presets, parameter counts and model FLOPs (DESIGN §6)."""
+"""Model shapes: `LlamaConfig`, its named presets, parameter counts and model FLOPs (docs/design.md §6)."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ class LlamaConfig:
 
     # ---- FLOPs ------------------------------------------------------------------------------
     def flops_per_token(self, seq_len: int) -> float:
-        """Model FLOPs per trained token (forward + backward), DESIGN §6.
+        """Model FLOPs per trained token (forward + backward), docs/design.md §6.
 
         6·N_matmul for the weight matmuls, plus 12·L·h_q·d_h·T for the attention score and value
         matmuls. No causal discount; activation recompute is not counted.

@@ -1,6 +1,6 @@
 """Shared pieces of the GPU kernel tests: shapes, random operands, and the numerics criterion.
 
-Criterion (DESIGN §5): on fresh random bf16 inputs, the error of a cute output against the
+Criterion (docs/design.md §5): on fresh random bf16 inputs, the error of a cute output against the
 reference stage run in fp32 is at most twice the error of the reference stage run in bf16 (both
 as ‖out − ref‖ / ‖ref‖; a floor of 1e-6 covers outputs that bf16 cannot perturb, such as fp32
 statistics of fp32 inputs). The tests fill every output buffer a stage allocates with NaN first

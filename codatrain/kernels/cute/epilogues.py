@@ -75,9 +75,9 @@ def rstd_lse_target_epi(acc, rstd):
 
 # ---- backward ------------------------------------------------------------------------------------
 
-# The RMSNorm-backward epilogue of the dgrad GEMM dn = dz·W of a norm's consumer (DESIGN §3, the ZdZ
+# The RMSNorm-backward epilogue of the dgrad GEMM dn = dz·W of a norm's consumer (docs/design.md §3, the ZdZ
 # identity). Operands: x the residual stream the norm read (a tile load), γ, and per row rstd and
-# the raw zdz = Σ z·dz of the consumer; inv_dim = 1/d turns zdz into DESIGN's ZdZ. Outputs:
+# the raw zdz = Σ z·dz of the consumer; inv_dim = 1/d turns zdz into the ZdZ of docs/design.md §3. Outputs:
 # D = dx = rstd·(dn⊙γ − x·rstd·ZdZ) [+ C, the residual-path gradient], ``n`` = rstd·x⊙γ (the
 # A operand of the consumer's wgrad) and per-row-tile partials of dγ = Σ_m dn·x·rstd.
 # Two functions because an absent C must be absent from the signature to be compiled out.

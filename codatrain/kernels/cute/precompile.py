@@ -136,7 +136,7 @@ def entry_kernels(s: KernelShapes) -> list[KernelSpec]:
 
 
 def forward_kernels(s: KernelShapes) -> list[KernelSpec]:
-    """F1–F4, the rstd reduction and the LM head of DESIGN §3 (and the full-logits head)."""
+    """F1–F4, the rstd reduction and the LM head of docs/design.md §3 (and the full-logits head)."""
     if not s.stages:
         return []
     st, m, d, vocab = CuteStages(), _tokens(s), s.dim, s.vocab_size
