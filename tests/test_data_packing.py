@@ -4,6 +4,7 @@ import gzip
 import hashlib
 import json
 import math
+import pickle
 from itertools import islice
 
 import numpy as np
@@ -12,6 +13,7 @@ import torch
 
 from codatrain.config import DataConfig
 from codatrain.data import build_loaders, cu_seqlens_from_doc_ids, prepare_streams, unigram_entropy
+from codatrain.data.packing import PackedWindows, collate
 from codatrain.data.sources import EMBEDDED_PATH, EMBEDDED_SHA256
 from codatrain.data.token_cache import is_held_out
 
@@ -74,6 +76,24 @@ def test_document_ids_follow_boundaries(tmp_path):
         expected = doc_of_token[7 * i:7 * i + 7]
         assert batch.doc_ids.dtype == torch.int32
         assert batch.doc_ids[0].tolist() == (expected - expected[0]).tolist()
+
+
+def test_windows_pickle_without_their_memory_maps(tmp_path):
+    """A spawned DataLoader worker receives the dataset pickled: it reopens the maps, not a copy."""
+    cfg, _ = loaders(tmp_path)
+    packed = PackedWindows(prepare_streams(cfg).train, 5, with_doc_ids=True)
+    first = packed[0]
+    clone = pickle.loads(pickle.dumps(packed))
+    assert clone._tokens is None and clone._doc_starts is None and packed._tokens is not None
+    assert all((a == b).all() for a, b in zip(clone[0], first, strict=True))
+
+
+def test_batch_moves_every_tensor_to_the_device():
+    window = np.arange(6)
+    batch = collate([(window, np.zeros(5, dtype=np.int32)), (window + 1, np.ones(5, dtype=np.int32))])
+    assert batch.inputs.tolist() == [[0, 1, 2, 3, 4], [1, 2, 3, 4, 5]]
+    assert all(t.device.type == "meta" for t in batch.to(torch.device("meta")))
+    assert collate([(window, None)]).to(torch.device("meta")).doc_ids is None
 
 
 def test_cu_seqlens_from_doc_ids():

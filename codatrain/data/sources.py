@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import datasets
+import fsspec
+import pyarrow.parquet as pq
 
 EMBEDDED_PATH = Path(__file__).parent / "corpus" / "python_docs.jsonl.gz"
 # The shipped bytes, checked on every read: the corpus must be identical on every machine.
@@ -23,6 +26,11 @@ _COMPRESSION_SUFFIXES = {".gz", ".bz2", ".xz", ".zst", ".lz4"}
 _BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
              ".parquet": "parquet"}
 _SAMPLE_BY = ("document", "paragraph", "line")
+
+
+class DataFileError(ValueError):
+    """A data file that cannot be read as its format says; the message names the file, the line or
+    row where known, and what is wrong (the train script prints it as one line)."""
 
 
 @dataclass(frozen=True)
@@ -44,7 +52,10 @@ class Source:
             if digest != EMBEDDED_SHA256:
                 raise ValueError(f"embedded corpus {EMBEDDED_PATH} is altered: sha256 {digest}, "
                                  f"expected {EMBEDDED_SHA256}")
-        ds = datasets.load_dataset(**self.load_args)
+        try:
+            ds = datasets.load_dataset(**self.load_args)
+        except datasets.exceptions.DatasetGenerationError as exc:
+            raise self._unreadable(exc) from exc
         columns = ds.column_names  # None for a stream whose features are not declared
         if columns is not None:
             if self.text_column not in columns:
@@ -57,10 +68,31 @@ class Source:
 
     def _batches(self, ds: datasets.Dataset | datasets.IterableDataset,
                  batch_size: int) -> Iterator[list[str | None]]:
+        row = 0
         for batch in ds.iter(batch_size=batch_size):
             if self.text_column not in batch:
                 raise self._missing_column(list(batch))
-            yield batch[self.text_column]
+            texts = batch[self.text_column]
+            for i, text in enumerate(texts):
+                if text is not None and not isinstance(text, str):
+                    raise DataFileError(f"{self.location}, row {row + i + 1}: the text column "
+                                        f"{self.text_column!r} holds {type(text).__name__} {text!r:.40}, "
+                                        "not a string")
+            row += len(texts)
+            yield texts
+
+    def _unreadable(self, exc: Exception) -> DataFileError:
+        """The error for a dataset that `datasets` failed to build: the first bad file and line when
+        a local file can be pinned down, else the innermost cause."""
+        files = self.load_args.get("data_files") or []
+        for file in [files] if isinstance(files, str) else files:
+            problem = _file_problem(file, self.load_args["path"])
+            if problem is not None:
+                return DataFileError(f"{file}: {problem}")
+        cause: BaseException = exc
+        while cause.__cause__ is not None or cause.__context__ is not None:
+            cause = cause.__cause__ or cause.__context__
+        return DataFileError(f"cannot read {self.location}: {type(cause).__name__}: {cause}")
 
     def _missing_column(self, columns: list[str]) -> ValueError:
         return ValueError(f"text column {self.text_column!r} is not in {self.location} "
@@ -113,6 +145,42 @@ def hub_source(name: str, config_name: str | None, split: str, streaming: bool, 
                  "cache_dir": cache_dir}
     identity = {"hub": name, "name": config_name, "split": split}
     return Source("hub", f"{name}[{split}]", text_column, identity, load_args, max_documents)
+
+
+def _file_problem(file: str, builder: str) -> str | None:
+    """What makes `file` unreadable by the `builder` (text | json | parquet), or None if nothing
+    is found. Compressed files are read through fsspec, as `datasets` reads them."""
+    try:
+        if builder == "parquet":
+            with fsspec.open(file, "rb", compression="infer") as f:
+                pq.read_table(f)
+            return None
+        with fsspec.open(file, "rb", compression="infer") as f:
+            data = f.read()
+    except Exception as exc:  # the file itself is broken: any reader error says how
+        return f"cannot be read as {builder} ({type(exc).__name__}: {exc})"
+    first_error = None
+    for number, line in enumerate(data.splitlines(), start=1):
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return f"line {number} is not UTF-8 text ({exc.reason} at byte {exc.start}); is it a binary file?"
+        if builder != "json" or not text.strip() or first_error is not None:
+            continue
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as exc:
+            first_error = f"line {number} is not a JSON record ({exc.msg} at column {exc.colno})"
+            continue
+        if not isinstance(record, dict):
+            first_error = f"line {number} is a JSON {type(record).__name__}, not a record (object)"
+    if first_error is None:
+        return None
+    try:  # a JSON document over many lines (one array or object) is valid too
+        json.loads(data)
+        return None
+    except ValueError:
+        return first_error
 
 
 def _format_suffix(file: Path) -> str:

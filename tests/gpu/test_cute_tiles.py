@@ -1,0 +1,70 @@
+"""dγ of every RMSNorm over several row tiles of the cute kernels, on an sm_90 GPU: 300 rows (two
+full 128-row tiles and a ragged one), each norm fed by the stage that produces its gradient, with
+the criterion of cute_check.py (error vs fp32 ≤ 2 × the bf16 reference's; outputs poisoned)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+    pytest.skip("the cute kernels need an sm_90 GPU", allow_module_level=True)
+pytest.importorskip("quack")
+pytest.importorskip("flash_attn.cute")
+
+from cute_check import DEVICE, SHAPES, check, gamma, poison, randn, rstd_of, run_both  # noqa: E402
+
+from codatrain.kernels.cute import gemm_bwd_stages, rowwise  # noqa: E402
+from codatrain.kernels.stages import IGNORE_INDEX, get_backend  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+M = 300  # rows: more than one row tile of any kernel configuration, the last one partial
+SHAPE = SHAPES[1]  # widths of the ragged shape
+
+
+@pytest.fixture(autouse=True)
+def poisoned_outputs(monkeypatch):
+    poison(monkeypatch, gemm_bwd_stages, rowwise)
+
+
+@pytest.fixture(scope="module")
+def backends():
+    return get_backend("cute", DEVICE), get_backend("reference", DEVICE)
+
+
+def check_norm_backward(cute, ref, dz, weight, zdz, residual: bool) -> None:
+    d = SHAPE.dim
+    args = (dz, weight, randn(M, d), gamma(d), rstd_of(M), zdz, randn(M, d) if residual else None)
+    out = cute.gemm_rms_bwd(*args)
+    bf16, fp32 = run_both(ref, "gemm_rms_bwd", *args)
+    check("dx", out.dx, bf16.dx, fp32.dx)
+    check("dgamma", out.dgamma_partials.sum(0), bf16.dgamma_partials.sum(0), fp32.dgamma_partials.sum(0))
+
+
+def test_attention_norm_dgamma_over_row_tiles(backends):
+    cute, ref = backends
+    n = SHAPE.qkv_dim
+    rope = {"head_dim": SHAPE.head_dim, "rope_heads": SHAPE.n_heads + SHAPE.n_kv_heads, "rope_theta": 5e5}
+    dz, zdz = cute.rope_bwd(randn(M, n), randn(M, n), torch.arange(M, device=DEVICE) % 128, **rope)
+    check_norm_backward(cute, ref, dz, randn(n, SHAPE.dim, scale=n**-0.5), zdz, residual=True)
+
+
+def test_mlp_norm_dgamma_over_row_tiles(backends):
+    cute, ref = backends
+    d, f = SHAPE.dim, SHAPE.ffn_dim
+    dout = randn(M, d)
+    dpreact, _, zdz = cute.gemm_dswiglu(dout, randn(d, f, scale=d**-0.5), randn(M, 2 * f, scale=2.0))
+    check_norm_backward(cute, ref, dpreact, randn(2 * f, d, scale=(2 * f) ** -0.5), zdz, residual=True)
+
+
+def test_final_norm_dgamma_over_row_tiles(backends):
+    cute, ref = backends
+    d, v = SHAPE.dim, SHAPE.vocab
+    targets = torch.randint(0, v, (M,), device=DEVICE)
+    targets[::7] = IGNORE_INDEX
+    h, w, r = randn(M, d), randn(v, d, scale=3 * d**-0.5), rstd_of(M)
+    lse = ref.gemm_rstd_lse(h.float(), w.float(), r, targets).lse
+    grad_scale = torch.tensor(1.0 / (targets != IGNORE_INDEX).sum().item(), device=DEVICE)
+    dlogits, zdz = cute.gemm_rstd_ce_bwd(h, w, r, targets, lse, grad_scale)
+    check_norm_backward(cute, ref, dlogits, w, zdz, residual=False)
