@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-# The LM-head chunking policy (HEAD_CHUNK_*, default_head_chunk_rows) may move to codatrain.kernels.
-from codatrain.model.coda import HEAD_CHUNK_ELEMENTS, HEAD_CHUNK_MULTIPLE, CodaLlama, default_head_chunk_rows
+from codatrain.kernels.reference import ReferenceStages
+from codatrain.kernels.stages import HEAD_CHUNK_ELEMENTS, HEAD_CHUNK_MULTIPLE
+from codatrain.model.coda import CodaLlama
 from codatrain.model.config import get_preset
 from codatrain.model.llama import Llama
 
@@ -27,7 +28,7 @@ def test_two_fresh_models_from_one_seed_are_equal(make):
 
 @pytest.mark.parametrize("vocab_size", [2, 256, 258, 1000, 32000, 50257, 128256, 151936, 1 << 21, 1 << 24])
 def test_head_chunk_rows_are_whole_tiles_within_the_memory_budget(vocab_size):
-    rows = default_head_chunk_rows(vocab_size)
+    rows = ReferenceStages().head_chunk_rows(vocab_size)
     assert rows % HEAD_CHUNK_MULTIPLE == 0 and rows >= HEAD_CHUNK_MULTIPLE == 256
     # Within the budget, unless even the smallest chunk exceeds it; and no smaller than it must be.
     assert rows * vocab_size <= HEAD_CHUNK_ELEMENTS or rows == HEAD_CHUNK_MULTIPLE
@@ -36,4 +37,4 @@ def test_head_chunk_rows_are_whole_tiles_within_the_memory_budget(vocab_size):
 
 def test_head_chunk_rows_of_llama3():
     assert HEAD_CHUNK_ELEMENTS == 1 << 29  # 1 GiB of bf16 dlogits
-    assert default_head_chunk_rows(128256) == 4096
+    assert ReferenceStages().head_chunk_rows(128256) == 4096

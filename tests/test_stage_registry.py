@@ -51,7 +51,7 @@ def test_provider_that_fails_to_import_is_unavailable_with_the_reason_and_hint(p
 
 
 def test_unknown_name_lists_the_known_ones():
-    with pytest.raises(ValueError, match=r"unknown stage backend 'nope'; known: auto, cute, reference"):
+    with pytest.raises(ValueError, match=r"unknown stage backend 'nope'; known: cute, reference"):
         get_backend("nope", "cpu")
 
 

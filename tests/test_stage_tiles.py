@@ -24,12 +24,12 @@ ROPE = {"head_dim": HEAD_DIM, "rope_heads": ROPE_HEADS, "rope_theta": THETA}
 
 @pytest.fixture
 def s() -> ReferenceStages:
-    return ReferenceStages()
+    return ReferenceStages(tile_m=TILE_M)
 
 
 def norm_backward(s, dz, weight, x, gamma, rstd, zdz, residual_grad=None):
     """The stage under test, at 128-row tiles; checks it made one dγ partial per row tile."""
-    out = s.gemm_rms_bwd(dz, weight, x, gamma, rstd, zdz, residual_grad, tile_m=TILE_M)
+    out = s.gemm_rms_bwd(dz, weight, x, gamma, rstd, zdz, residual_grad)
     assert out.dgamma_partials.shape == (math.ceil(M / TILE_M), D)
     return out
 
