@@ -193,9 +193,9 @@ def make_encoder(cfg: DataConfig, tokenizer: Tokenizer) -> tuple[Encoder, str]:
 class PackingReport:
     examples: int = 0  # records read
     windows: int = 0
-    truncated: int = 0  # cut to the window
+    truncated: int = 0  # cut to the window (and kept)
     dropped_long: int = 0  # longer than the window, with data.sft_overlong=drop
-    dropped_no_target: int = 0  # no target left (after truncation)
+    dropped_no_target: int = 0  # no target (left after truncation)
     tokens: int = 0  # tokens of the kept examples
     targets: int = 0
 
@@ -211,15 +211,15 @@ class SFTWindows(torch.utils.data.Dataset):
         kept: list[Example] = []
         window_starts, used = [0], 0  # window_starts: offsets of each window's first token
         for example in examples:
-            if len(example.tokens) > slots:
-                if overlong == SFTOverlong.drop:
-                    report.dropped_long += 1
-                    continue
-                example = Example(example.tokens[:slots], example.is_target[:slots])
-                report.truncated += 1
+            overlong_example = len(example.tokens) > slots
+            if overlong_example and overlong == SFTOverlong.drop:
+                report.dropped_long += 1
+                continue
+            example = Example(example.tokens[:slots], example.is_target[:slots])
             if not example.is_target[1:].any():  # the first token is never predicted within it
                 report.dropped_no_target += 1
                 continue
+            report.truncated += overlong_example
             if used + len(example.tokens) > slots:
                 window_starts.append(window_starts[-1] + used)
                 used = 0
