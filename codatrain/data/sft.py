@@ -155,7 +155,7 @@ def chat_template_encoder(hf_tokenizer: Any) -> Encoder:
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            before = render(messages[:i], where, generation_prompt=True) if i else ""
+            before = render(messages[:i], where, generation_prompt=True)
             through = render(messages[: i + 1], where)
             if not (text.startswith(before) and text.startswith(through) and len(through) >= len(before)):
                 raise ValueError(
