@@ -46,6 +46,21 @@ class DataSource(StrEnum):
     hub = "hub"
 
 
+class DataFormat(StrEnum):
+    text = "text"  # documents: every token is a target (pretraining)
+    sft = "sft"  # instruction examples: targets only on the assistant's tokens (codatrain/data/sft.py)
+
+
+class SFTTemplate(StrEnum):
+    auto = "auto"  # the tokenizer's chat template where it has one, else plain
+    plain = "plain"  # [BOS] <|role|>\n content [EOS] ... for every tokenizer
+
+
+class SFTOverlong(StrEnum):
+    truncate = "truncate"
+    drop = "drop"
+
+
 class TextSampleBy(StrEnum):
     document = "document"
     paragraph = "paragraph"
@@ -154,9 +169,15 @@ class DataConfig:
     num_workers: int = 1  # background DataLoader processes for training batches (0: main process)
     cache_dir: str | None = None  # token cache (and datasets' cache); default: the HF datasets cache
     shuffle: bool = True  # a new seeded order every epoch
+    format: DataFormat = DataFormat.text  # sft: chat `messages` or `prompt`/`response` records
+    sft_template: SFTTemplate = SFTTemplate.auto  # sft: how a conversation becomes tokens
+    sft_overlong: SFTOverlong = SFTOverlong.truncate  # sft: examples longer than seq_len + 1 tokens
 
     def __post_init__(self) -> None:
         _require_positive(self, "data", "seq_len")
+        if self.format == DataFormat.sft and self.source not in (DataSource.files, DataSource.hub):
+            raise ValueError(f"data.format=sft reads JSON-lines files or a Hub dataset; it needs "
+                             f"data.source=files or hub, not {str(self.source)!r}")
 
 
 @dataclass

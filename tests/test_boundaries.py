@@ -59,7 +59,7 @@ def test_number_of_packed_windows_of_n_tokens(tmp_path, num_tokens, windows):
     packed = PackedWindows(stream_of(tmp_path, num_tokens), seq_len=5, with_doc_ids=True)
     assert len(packed) == windows
     if windows:
-        last, doc_ids = packed[windows - 1]
+        last, doc_ids, _ = packed[windows - 1]
         assert last.tolist() == list(range(5 * (windows - 1), 5 * windows + 1))
         assert doc_ids.shape == (5,)
     with pytest.raises(IndexError, match=f"window {windows} of {windows}"):
@@ -77,7 +77,7 @@ def test_document_ids_count_from_the_windows_first_token(tmp_path):
 def test_every_synthetic_window_is_seq_len_plus_one_tokens(seq_len):
     windows = SyntheticWindows(seq_len, seed=0, split=0, num_windows=4, with_doc_ids=True)
     for i in range(4):
-        tokens, doc_ids = windows[i]
+        tokens, doc_ids, _ = windows[i]
         assert tokens.shape == (seq_len + 1,) and doc_ids.shape == (seq_len,) and doc_ids.dtype == np.int32
     with pytest.raises(IndexError, match="window 4 of 4"):
         windows[4]

@@ -22,8 +22,9 @@ import datasets
 import numpy as np
 import torch
 
-from codatrain.config import DataConfig
+from codatrain.config import DataConfig, DataFormat, DataSource
 from codatrain.data.packing import Batch, PackedWindows, SyntheticWindows, collate
+from codatrain.data.sft import SFTWindows, build_sft_datasets
 from codatrain.data.sources import Source, embedded_source, files_source, hub_source
 from codatrain.data.token_cache import TokenStream, tokenize_source
 from codatrain.data.tokenizer import Tokenizer, load_tokenizer
@@ -47,10 +48,12 @@ class PackedLoader:
     `len()` is the number of batches per epoch.
     """
 
-    def __init__(self, dataset: PackedWindows | SyntheticWindows, *, name: str, vocab_size: int,
-                 batch_size: int, rank: int, world_size: int, seed: int, device: torch.device,
-                 shuffle: bool, repeat: bool, num_workers: int) -> None:
+    def __init__(self, dataset: PackedWindows | SyntheticWindows | SFTWindows, *, name: str,
+                 vocab_size: int, batch_size: int, rank: int, world_size: int, seed: int,
+                 device: torch.device, shuffle: bool, repeat: bool, num_workers: int,
+                 report: str | None = None) -> None:
         self.dataset, self.name, self.vocab_size = dataset, name, vocab_size
+        self.report = report  # a line for the run's log about how the data was made, if any
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
         self.seed, self.device, self.shuffle, self.repeat = seed, device, shuffle, repeat
         self.num_workers = num_workers
@@ -167,6 +170,10 @@ def build_loaders(
         tokenizer = load_tokenizer(cfg.tokenizer)
         vocab_size = tokenizer.vocab_size
         _check_vocab(vocab_size, model_vocab_size, cfg.tokenizer)
+    reports: list[str | None] = [None, None]
+    if cfg.format == DataFormat.sft:
+        train_set, val_set, reports = build_sft_datasets(cfg, tokenizer)
+    elif cfg.source != DataSource.synthetic:
         streams = prepare_streams(cfg, tokenizer)
         train_set = PackedWindows(streams.train, cfg.seq_len, cfg.keep_document_boundaries)
         val_set = None if streams.val is None else PackedWindows(streams.val, cfg.seq_len,
@@ -175,11 +182,11 @@ def build_loaders(
     common = dict(vocab_size=vocab_size, batch_size=batch_size, rank=rank, world_size=world_size,
                   seed=seed, device=device)
     train = PackedLoader(train_set, name="training", shuffle=cfg.shuffle, repeat=True,
-                         num_workers=cfg.num_workers, **common)
+                         num_workers=cfg.num_workers, report=reports[0], **common)
     # Validation reads a few batches every val_every steps: starting worker processes for each
     # evaluation would cost more than reading them in the main process.
     val = None if val_set is None else PackedLoader(val_set, name="validation", shuffle=False, repeat=False,
-                                                    num_workers=0, **common)
+                                                    num_workers=0, report=reports[1], **common)
     return train, val
 
 

@@ -13,10 +13,13 @@ import numpy as np
 import torch
 
 from codatrain.data.token_cache import TokenStream
+from codatrain.kernels.stages import IGNORE_INDEX
 
 
 class Batch(NamedTuple):
-    """inputs and targets: (batch, seq_len) int64; targets are inputs shifted left by one token.
+    """inputs and targets: (batch, seq_len) int64; targets are inputs shifted left by one token,
+    IGNORE_INDEX where the loss must not count them (fine-tuning: everything but the assistant's
+    tokens, and padding).
 
     doc_ids (when data.keep_document_boundaries): (batch, seq_len) int32, the index of the document
     each input token belongs to, counted from 0 in every row. A document starts at its BOS, and its
@@ -32,7 +35,13 @@ class Batch(NamedTuple):
         return Batch(*(None if t is None else t.to(device, non_blocking=True) for t in self))
 
 
-Window = tuple[np.ndarray, np.ndarray | None]
+class Window(NamedTuple):
+    """One item of a windows dataset: seq_len + 1 tokens and, optionally, per input token document
+    ids and per target whether it counts (False: the batch's target is IGNORE_INDEX)."""
+
+    tokens: np.ndarray
+    doc_ids: np.ndarray | None = None
+    target_mask: np.ndarray | None = None  # (seq_len,) bool; None: every target counts
 
 
 class PackedWindows(torch.utils.data.Dataset):
@@ -59,10 +68,10 @@ class PackedWindows(torch.utils.data.Dataset):
         start = i * self.seq_len
         window = self._tokens[start:start + self.seq_len + 1].astype(np.int64)
         if not self.with_doc_ids:
-            return window, None
+            return Window(window)
         positions = np.arange(start, start + self.seq_len)
         docs = np.searchsorted(self._doc_starts, positions, side="right") - 1
-        return window, (docs - docs[0]).astype(np.int32)
+        return Window(window, (docs - docs[0]).astype(np.int32))
 
 
 class SyntheticWindows(torch.utils.data.Dataset):
@@ -86,13 +95,17 @@ class SyntheticWindows(torch.utils.data.Dataset):
         window = rng.integers(0, self.vocab_size, self.seq_len + 1)
         window[1::2] = (window[0:-1:2] * 3 + 1) % self.vocab_size
         doc_ids = np.zeros(self.seq_len, dtype=np.int32) if self.with_doc_ids else None
-        return window, doc_ids
+        return Window(window, doc_ids)
 
 
 def collate(windows: list[Window]) -> Batch:
-    tokens = torch.from_numpy(np.stack([w for w, _ in windows]))
-    doc_ids = None if windows[0][1] is None else torch.from_numpy(np.stack([d for _, d in windows]))
-    return Batch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), doc_ids)
+    windows = [Window(*w) for w in windows]  # plain (tokens, doc_ids[, target_mask]) tuples too
+    tokens = torch.from_numpy(np.stack([w.tokens for w in windows]))
+    doc_ids = None if windows[0].doc_ids is None else torch.from_numpy(np.stack([w.doc_ids for w in windows]))
+    targets = tokens[:, 1:].clone()
+    if windows[0].target_mask is not None:
+        targets[~torch.from_numpy(np.stack([w.target_mask for w in windows]))] = IGNORE_INDEX
+    return Batch(tokens[:, :-1].contiguous(), targets, doc_ids)
 
 
 def cu_seqlens_from_doc_ids(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:

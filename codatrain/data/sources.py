@@ -114,7 +114,7 @@ def files_source(path: str, text_column: str, sample_by: str, max_documents: int
                  cache_dir: str | None) -> Source:
     """A file, a folder (searched recursively) or a glob of .txt/.md, .json/.jsonl or .parquet files,
     optionally compressed. Plain text becomes one row per file, paragraph or line (`sample_by`)."""
-    files = _resolve_files(path)
+    files = resolve_files(path)
     builders = {_BUILDERS.get(_format_suffix(f)) for f in files}
     if None in builders:
         unknown = sorted({f.name for f in files if _format_suffix(f) not in _BUILDERS})
@@ -190,7 +190,7 @@ def _format_suffix(file: Path) -> str:
     return suffixes[-1] if suffixes else ""
 
 
-def _resolve_files(path: str) -> list[Path]:
+def resolve_files(path: str) -> list[Path]:
     if glob.has_magic(path):
         files = sorted(Path(p) for p in glob.glob(path, recursive=True) if Path(p).is_file())
         if not files:

@@ -180,26 +180,26 @@ class _LayerFn(torch.autograd.Function):
 
 
 class _FinalLossFn(torch.autograd.Function):
-    """(o, x_in) → mean cross-entropy: F1 R1 F2 F3 R2, then the LM head's LSE stage."""
+    """(o, x_in) → the *sum* of the cross-entropy over targets that are not IGNORE_INDEX (0 when
+    there are none): F1 R1 F2 F3 R2, then the LM head's LSE stage. Whoever normalizes the sum (the
+    model's mean, or the trainer's count over a whole optimizer step) does so outside, so the head's
+    backward scales every row by the incoming dloss alone."""
 
     @staticmethod
     def forward(ctx, o, x_in, w_o, gamma_mlp, w_gu, w_down, gamma_final, w_lm, targets, s, c, chunk_rows):
         mlp_saved, x2, h2, r2 = _mlp_forward(s, c, o, x_in, w_o, gamma_mlp, w_gu, w_down, gamma_final)
         lse, target_logit = s.gemm_rstd_lse(h2, w_lm, r2, targets)
-        counted = targets != IGNORE_INDEX
-        count = counted.sum()
-        # Like F.cross_entropy: the mean over counted targets (NaN when there are none).
-        loss = torch.where(counted, lse - target_logit, 0.0).sum() / count
-        ctx.save_for_backward(*mlp_saved, x2, h2, r2, lse, targets, count, gamma_final, w_lm)
+        loss_sum = torch.where(targets != IGNORE_INDEX, lse - target_logit, 0.0).sum()
+        ctx.save_for_backward(*mlp_saved, x2, h2, r2, lse, targets, gamma_final, w_lm)
         ctx.s, ctx.chunk_rows = s, chunk_rows
-        return loss
+        return loss_sum
 
     @staticmethod
     def backward(ctx, dloss):
-        mlp_saved, (x2, h2, r2, lse, targets, count, gamma_final, w_lm) = _unpack(ctx)
+        mlp_saved, (x2, h2, r2, lse, targets, gamma_final, w_lm) = _unpack(ctx)
         s = ctx.s
         with torch.autocast(dloss.device.type, enabled=False):
-            grad_scale = dloss.to(r2.dtype) / count
+            grad_scale = dloss.to(r2.dtype)
             # The head is processed in row chunks so that one chunk of dlogits is alive at a time;
             # its weight gradient and dγ are summed over chunks in the statistics dtype.
             dw_lm = torch.zeros(w_lm.shape, dtype=r2.dtype, device=w_lm.device)
@@ -328,7 +328,7 @@ class CodaFinalLayer(_ShiftedLayer):
     def forward(
         self, qkv: torch.Tensor, x: torch.Tensor, step: ForwardStep, targets: torch.Tensor | None
     ) -> torch.Tensor:
-        """(qkv, x_in, targets (M,)) → mean loss; without targets, logits (M, V)."""
+        """(qkv, x_in, targets (M,)) → the sum of the token losses; without targets, logits (M, V)."""
         o = self.attention(qkv, step)
         params = [*self.mlp_params(step.dtype), _cast(self.gamma_final, step.dtype),
                   _cast(self.w_lm_head, step.dtype)]
@@ -364,7 +364,8 @@ def gate_up_row_order(cfg: LlamaConfig, device: torch.device | str = "cpu") -> t
 
 class CodaLlama(nn.Module):
     """Llama decoder computed as CODA stages. `forward(tokens)` gives logits; `forward(tokens,
-    targets)` the mean cross-entropy over targets that are not IGNORE_INDEX.
+    targets)` the mean cross-entropy over targets that are not IGNORE_INDEX (`reduction="sum"`:
+    their sum, as `codatrain.model.llama.lm_loss`).
 
     backend: stage backend (reference | cute); attention: sdpa | fa4, both looked up once, here.
     device: where the model will run, to check that the kernels run there (None: not checked).
@@ -392,7 +393,11 @@ class CodaLlama(nn.Module):
         """The modules FSDP2 shards one at a time: the entry and every shifted layer."""
         return [self.entry, *self.layers]
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean"
+    ) -> torch.Tensor:
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction={reduction!r} is not mean or sum")
         batch, seq = tokens.shape
         if seq > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds model.max_seq_len={self.cfg.max_seq_len}")
@@ -402,7 +407,11 @@ class CodaLlama(nn.Module):
             x, qkv = layer(qkv, x, step)
         if targets is None:
             return self.layers[-1](qkv, x, step, None).view(batch, seq, -1)
-        return self.layers[-1](qkv, x, step, targets.reshape(-1))
+        loss_sum = self.layers[-1](qkv, x, step, targets.reshape(-1))
+        if reduction == "sum":
+            return loss_sum
+        # As F.cross_entropy: NaN when no target counts.
+        return loss_sum / (targets != IGNORE_INDEX).sum()
 
     # ---- canonical state ------------------------------------------------------------------
     def layout(self) -> Layout:

@@ -88,17 +88,20 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over the targets that are not IGNORE_INDEX (≥ fp32 math)."""
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross-entropy over the targets that are not IGNORE_INDEX (≥ fp32 math): their mean
+    (NaN when there are none), or with reduction="sum" their sum (0 when there are none), which the
+    trainer divides by the target count of a whole optimizer step."""
     logits = logits.flatten(0, 1)
     return F.cross_entropy(
         logits.to(torch.promote_types(logits.dtype, torch.float32)), targets.flatten(),
-        ignore_index=IGNORE_INDEX,
+        ignore_index=IGNORE_INDEX, reduction=reduction,
     )
 
 
 class Llama(nn.Module):
-    """Llama decoder. `forward(tokens)` gives logits; `forward(tokens, targets)` the mean loss."""
+    """Llama decoder. `forward(tokens)` gives logits; `forward(tokens, targets)` the mean loss over
+    the targets that are not IGNORE_INDEX (`reduction="sum"`: their sum, see `lm_loss`)."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -122,7 +125,9 @@ class Llama(nn.Module):
         """Llama-style init, drawn per canonical tensor (see `init_canonical_weights`)."""
         init_canonical_weights(self, seed)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean"
+    ) -> torch.Tensor:
         if tokens.shape[1] > self.cfg.max_seq_len:
             raise ValueError(
                 f"sequence length {tokens.shape[1]} exceeds model.max_seq_len={self.cfg.max_seq_len}"
@@ -133,4 +138,4 @@ class Llama(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin)
         logits = self.lm_head(self.norm(x))
-        return logits if targets is None else lm_loss(logits, targets)
+        return logits if targets is None else lm_loss(logits, targets, reduction)

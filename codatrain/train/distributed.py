@@ -63,6 +63,13 @@ def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()

@@ -15,12 +15,14 @@ from omegaconf import DictConfig
 from codatrain.config import RunConfig, model_config, validate
 from codatrain.data import build_loaders
 from codatrain.kernels.resolve import resolve_block
+from codatrain.kernels.stages import IGNORE_INDEX
 from codatrain.model import build_model
 from codatrain.train.checkpoint import CHECKPOINTS_DIR, checkpoint_dirs
 from codatrain.train.checkpointer import Checkpointer
 from codatrain.train.distributed import (
     DistInfo,
     all_reduce_mean,
+    all_reduce_sum,
     barrier,
     init_distributed,
     shutdown_distributed,
@@ -142,19 +144,27 @@ class Trainer:
         return contextlib.nullcontext()
 
     def train_step(self, batches) -> tuple[float, float, float]:
-        """Forward/backward over `grad_accum` micro-batches and an optimizer step.
+        """Forward/backward over `grad_accum` micro-batches: the gradients of one optimizer step.
 
-        Returns (loss averaged over micro-batches and ranks, grad norm, seconds spent waiting for data).
+        The step's loss is the sum of the token losses of all its micro-batches on all ranks divided
+        by the number of their targets, counted before the first forward. So neither gradient
+        accumulation nor the number of processes changes the gradient when micro-batches hold
+        different numbers of targets (fine-tuning data), and a micro-batch without targets adds
+        zero. Returns (that per-token mean loss, grad norm, seconds spent waiting for data).
         """
+        t0 = time.perf_counter()
+        micro_batches = [next(batches) for _ in range(self.grad_accum)]
+        data_time = time.perf_counter() - t0
+        local_targets = sum((batch.targets != IGNORE_INDEX).sum() for batch in micro_batches)
+        # A step without any target gives a zero loss and zero gradients rather than 0 / 0.
+        step_targets = all_reduce_sum(local_targets).clamp(min=1)
+        # FSDP2 averages gradients over ranks; the world size turns that average into the sum.
+        scale = self.dist.world_size / step_targets
         loss_sum = torch.zeros((), device=self.dist.device)
-        data_time = 0.0
-        for _ in range(self.grad_accum):
-            t0 = time.perf_counter()
-            batch = next(batches)
-            data_time += time.perf_counter() - t0
+        for batch in micro_batches:
             with self._autocast():
-                loss = self.model(batch.inputs, batch.targets)
-            (loss / self.grad_accum).backward()
+                loss = self.model(batch.inputs, batch.targets, reduction="sum")
+            (loss * scale).backward()
             loss_sum += loss.detach()
         clip = self.run.optim.grad_clip
         grad_norm = torch.nn.utils.clip_grad_norm_(
@@ -162,7 +172,7 @@ class Trainer:
         )
         if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
             grad_norm = grad_norm.full_tensor()
-        loss_mean = all_reduce_mean(loss_sum / self.grad_accum).item()
+        loss_mean = (all_reduce_sum(loss_sum) / step_targets).item()
         return loss_mean, grad_norm.item(), data_time
 
     @torch.no_grad()
@@ -291,6 +301,9 @@ class Trainer:
             f"{self.dist.world_size} × {self.dist.device.type} | seq {self.seq_len} × micro-batch "
             f"{tcfg.micro_batch_size} × accum {self.grad_accum} = {self.tokens_per_step} tokens/step"
         )
+        for loader in (self.train_data, self.val_data):
+            if loader is not None and loader.report:  # fine-tuning data: examples packed, cut, dropped
+                self.logger.info(loader.report)
 
     def close(self) -> None:
         self.logger.close()

@@ -1,0 +1,255 @@
+"""Fine-tuning data (data.format=sft): records, templates, the assistant-only targets, packing,
+truncation, bad records, the loader's resume and sharding."""
+
+import gzip
+import json
+from itertools import islice
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from codatrain.config import DataConfig, load_config, validate
+from codatrain.data import build_loaders
+from codatrain.data.sft import SFTWindows, make_encoder, to_messages
+from codatrain.data.tokenizer import ByteTokenizer, load_tokenizer
+from codatrain.model.llama import IGNORE_INDEX
+
+BOS, EOS = 256, 257
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello!"},
+    {"role": "user", "content": "2+2?"},
+    {"role": "assistant", "content": "4"},
+]
+
+
+def write_jsonl(path, records):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def sft_config(tmp_path, path, **overrides):
+    settings = dict(source="files", format="sft", path=str(path), seq_len=32, val_fraction=0.0,
+                    shuffle=False, num_workers=0, keep_document_boundaries=True)
+    return DataConfig(**(settings | overrides))
+
+
+def build(cfg, batch_size=1, rank=0, world_size=1):
+    return build_loaders(cfg, batch_size, rank, world_size, 0, "cpu", max_seq_len=256, model_vocab_size=512)
+
+
+def plain(cfg=None):
+    return make_encoder(cfg or DataConfig(format="sft", source="files"), ByteTokenizer())[0]
+
+
+# ---- templates and targets -------------------------------------------------------------------------
+def test_plain_template_targets_exactly_the_assistant_turns():
+    example = plain()(CONVERSATION, "hand-written")
+    expected, targets = [BOS], [False]
+    for message in CONVERSATION:
+        header, content = list(f"<|{message['role']}|>\n".encode()), list(message["content"].encode())
+        learn = message["role"] == "assistant"
+        expected += header + content + [EOS]
+        targets += [False] * len(header) + [learn] * (len(content) + 1)
+    assert example.tokens.tolist() == expected
+    assert example.is_target.tolist() == targets
+    decoded = bytes(t for t, m in zip(example.tokens, example.is_target, strict=True) if m and t < 256)
+    assert decoded == b"Hello!4"
+
+
+def test_prompt_and_response_are_a_user_turn_and_the_reply():
+    assert to_messages({"prompt": "p", "response": "r"}, "x") == [
+        {"role": "user", "content": "p"}, {"role": "assistant", "content": "r"}]
+
+
+WORDS = ["what", "is", "two", "plus", "four", "hi", "hello", "be", "brief", "system", "user", "assistant"]
+SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
+
+
+def chat_tokenizer(folder, template=CHATML):
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(WORDS)}}
+    vocab |= {s: len(WORDS) + 1 + i for i, s in enumerate(SPECIALS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(SPECIALS)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                            chat_template=template).save_pretrained(folder)
+    return {i: w for w, i in vocab.items()}
+
+
+def test_chat_template_targets_the_assistant_turns_as_the_template_writes_them(tmp_path):
+    words = chat_tokenizer(tmp_path / "tok")
+    cfg = DataConfig(format="sft", source="files", tokenizer=str(tmp_path / "tok"))
+    encode, template = make_encoder(cfg, load_tokenizer(cfg.tokenizer))
+    assert template == "the tokenizer's chat template"
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": "what is two plus two"}, {"role": "assistant", "content": "four"},
+                {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    example = encode(messages, "hand-written")
+    pieces = [(words[t], bool(m)) for t, m in zip(example.tokens.tolist(), example.is_target, strict=True)]
+    expected = []
+    for m in messages:  # the assistant's words and its end-of-turn marker are the targets
+        learn = m["role"] == "assistant"
+        expected += [("<|im_start|>", False), (m["role"], False), *((w, learn) for w in m["content"].split()),
+                     ("<|im_end|>", learn)]
+    assert pieces == expected
+
+    # sft_template=plain ignores the tokenizer's template.
+    cfg = DataConfig(format="sft", source="files", tokenizer=str(tmp_path / "tok"), sft_template="plain")
+    assert make_encoder(cfg, load_tokenizer(cfg.tokenizer))[1] == "the plain template"
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path):
+    # Renders the turn count first: a longer conversation is no extension of a shorter one.
+    chat_tokenizer(tmp_path / "tok", "{{ messages | length }}" + CHATML)
+    cfg = DataConfig(format="sft", source="files", tokenizer=str(tmp_path / "tok"))
+    encode = make_encoder(cfg, load_tokenizer(cfg.tokenizer))[0]
+    with pytest.raises(ValueError, match="row 3: .*data.sft_template=plain"):
+        encode(CONVERSATION, "row 3")
+
+
+# ---- bad records --------------------------------------------------------------------------------
+@pytest.mark.parametrize("record, message", [
+    ({"text": "hello"}, r"a record needs `messages` .* or `prompt` and `response`; it has 'text'"),
+    ({"prompt": "only a prompt"}, r"`response` is missing"),
+    ({"messages": []}, r"`messages` must be a non-empty list"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, r"message 0 has the unknown role 'robot'"),
+    ({"messages": [{"role": "user"}]}, r"message 0 needs a string `role` and a string `content`"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, r"the conversation has no assistant message"),
+    ([1, 2], r"a record must be a JSON object, got list"),
+    ('{"prompt": "unterminated', r"not valid JSON"),
+])
+def test_bad_records_name_the_file_and_line(tmp_path, record, message):
+    good = {"prompt": "p", "response": "r"}
+    path = write_jsonl(tmp_path / "bad.jsonl", [good, good, record])
+    with pytest.raises(ValueError, match=rf"bad.jsonl line 3: {message}"):
+        build(sft_config(tmp_path, path))
+
+
+def test_format_sft_needs_files_or_hub():
+    with pytest.raises(ValueError, match="data.format=sft .* not 'embedded'"):
+        DataConfig(format="sft", source="embedded")
+    run = validate(load_config(["data=sft", "data.path=x.jsonl"]))
+    assert run.data.format == "sft" and run.data.keep_document_boundaries
+
+
+# ---- packing ------------------------------------------------------------------------------------
+def example_records(lengths):
+    """A prompt/response record per (prompt bytes, response bytes)."""
+    return [{"prompt": "p" * p, "response": chr(ord("a") + i) * r} for i, (p, r) in enumerate(lengths)]
+
+
+def plain_length(prompt, response):
+    # BOS, "<|user|>\n" prompt EOS, "<|assistant|>\n" response EOS
+    return 1 + 9 + prompt + 1 + 14 + response + 1
+
+
+def test_examples_are_packed_whole_with_document_ids_and_padding_ignored(tmp_path):
+    lengths = [(2, 3), (1, 1), (5, 2), (3, 4)]
+    sizes = [plain_length(*x) for x in lengths]  # 31, 28, 33, 33
+    path = write_jsonl(tmp_path / "ex.jsonl", example_records(lengths))
+    train, _ = build(sft_config(tmp_path, path, seq_len=64))
+    windows = train.dataset
+    # Greedy, in order: 31 + 28 fit in 65 slots, 33 + 33 does not fit, so the last two are alone.
+    assert len(windows) == 3 and sum(sizes) == windows.report.tokens
+    batches = list(islice(train, 3))
+    first = batches[0]
+    assert first.doc_ids[0].tolist() == [0] * 31 + [1] * 28 + [2] * 5  # padding is a document of its own
+    assert (first.inputs[0, 59:] == EOS).all()
+    targets = first.targets[0]
+    # Targets: each response and its EOS, never the next example's first token nor padding.
+    counted = targets[targets != IGNORE_INDEX].tolist()
+    assert counted == [ord("a")] * 3 + [EOS] + [ord("b")] * 1 + [EOS]
+    assert targets[30] == IGNORE_INDEX  # the second example's BOS, predicted from the first's EOS
+    total = sum((b.targets != IGNORE_INDEX).sum().item() for b in batches)
+    assert total == windows.report.targets == sum(r + 1 for _, r in lengths)
+
+
+def test_overlong_examples_are_truncated_or_dropped_and_counted(tmp_path):
+    # Windows of 47 slots: 31 and 46 tokens fit; 60 and 71 do not, and the last one's response
+    # starts after its first 47 tokens, so truncation leaves it without a target.
+    lengths = [(2, 3), (10, 10), (10, 24), (40, 5)]
+    path = write_jsonl(tmp_path / "ex.jsonl", example_records(lengths))
+    truncated = build(sft_config(tmp_path, path, seq_len=46))[0]
+    report = truncated.dataset.report
+    assert (report.truncated, report.dropped_long, report.dropped_no_target) == (1, 0, 1)
+    assert "1 longer than a window truncated, 1 without a target dropped" in truncated.report
+    # The truncated example keeps the response bytes among its first 47 tokens (no EOS).
+    assert report.targets == (3 + 1) + (10 + 1) + (47 - plain_length(10, 0) + 1)
+
+    dropped = build(sft_config(tmp_path, path, seq_len=46, sft_overlong="drop"))[0]
+    report = dropped.dataset.report
+    assert (report.truncated, report.dropped_long, report.dropped_no_target) == (0, 2, 0)
+    assert "2 longer than a window dropped" in dropped.report
+
+    with pytest.raises(ValueError, match="none of the 1 examples has a target"):
+        build(sft_config(tmp_path, write_jsonl(tmp_path / "one.jsonl", example_records([(40, 5)])),
+                         seq_len=46))
+
+
+# ---- splits, sources, the loader --------------------------------------------------------------
+def test_validation_by_fraction_or_path_and_gzip(tmp_path):
+    records = example_records([(i % 7, 1 + i % 5) for i in range(40)])
+    path = write_jsonl(tmp_path / "ex.jsonl", records)
+    train, val = build(sft_config(tmp_path, path, val_fraction=0.25))
+    assert train.dataset.report.examples + val.dataset.report.examples == 40
+    assert 6 <= val.dataset.report.examples <= 14
+    packed = tmp_path / "val.jsonl.gz"
+    with gzip.open(packed, "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records[:5]))
+    train, val = build(sft_config(tmp_path, path, val_path=str(packed)))
+    assert (train.dataset.report.examples, val.dataset.report.examples) == (40, 5)
+    assert val.report.startswith("validation data: 5 examples (the plain template)")
+
+
+def test_hub_datasets_go_through_the_datasets_loader(tmp_path):
+    # load_dataset(<folder>) reads a local dataset repository as it would one from the Hub.
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    write_jsonl(repo / "train.jsonl", [{"messages": CONVERSATION}] * 3)
+    train, _ = build(sft_config(tmp_path, str(repo), source="hub", split="train", seq_len=128,
+                                cache_dir=str(tmp_path / "cache")))
+    one = SFTWindows([plain()(CONVERSATION, "x")], 128, True, "truncate", EOS)
+    assert train.dataset.report.examples == 3
+    assert (train.dataset[0].tokens[:len(one.tokens)] == one.tokens).all()
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    unknown_role = {"messages": [{"role": "x", "content": ""}]}
+    write_jsonl(bad / "train.jsonl", [{"messages": CONVERSATION}, unknown_role])
+    with pytest.raises(ValueError, match=r"\[train\] row 1: message 0 has the unknown role 'x'"):
+        build(sft_config(tmp_path, str(bad), source="hub", cache_dir=str(tmp_path / "cache")))
+
+
+def test_ranks_split_the_windows_and_resume_continues_exactly(tmp_path):
+    path = write_jsonl(tmp_path / "ex.jsonl", example_records([(i % 9, 1 + i % 13) for i in range(60)]))
+    cfg = sft_config(tmp_path, path, shuffle=True)
+    single = build(cfg, batch_size=4)[0]
+    assert len(single.dataset) >= 12
+    whole = [b.inputs for b in islice(single, 3)]
+    ranks = [build(cfg, batch_size=2, rank=r, world_size=2)[0] for r in (0, 1)]
+    per_rank = [[b.inputs for b in islice(loader, 3)] for loader in ranks]
+    for step in range(3):
+        assert torch.equal(torch.cat([per_rank[0][step], per_rank[1][step]]), whole[step])
+
+    resumed = build(cfg, batch_size=4)[0]
+    first = build(cfg, batch_size=4)[0]
+    list(islice(first, 2))
+    resumed.load_state_dict(first.state_dict())
+    assert torch.equal(next(iter(resumed)).inputs, whole[2])
+
+
+def test_masked_targets_agree_with_the_examples(tmp_path):
+    """Every counted target is the token the example holds next, and the mask is the template's."""
+    path = write_jsonl(tmp_path / "ex.jsonl", [{"messages": CONVERSATION}] * 2)
+    train, _ = build(sft_config(tmp_path, path, seq_len=128))
+    batch = next(iter(train))
+    example = plain()(CONVERSATION, "x")
+    n = len(example.tokens)
+    expected = np.where(example.is_target[1:], example.tokens[1:], IGNORE_INDEX)
+    assert batch.targets[0, :n - 1].tolist() == expected.tolist()
