@@ -18,7 +18,7 @@ import torch
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from codatrain.config import load_config, model_config, validate
+from codatrain.config import load_config, validate
 from codatrain.kernels.precompile import (
     MANIFEST,
     KernelCacheError,
@@ -48,7 +48,7 @@ def shapes_of(overrides: list[str], device: torch.device | None = None) -> Kerne
     and scripts/precompile.py plan them."""
     run = run_config(overrides)
     block = resolve_block(run.block.impl, run.block.backend, run.block.attention, device)
-    return kernel_shapes(model_config(run.model), run.train.micro_batch_size, run.data.seq_len, block)
+    return kernel_shapes(run, block)
 
 
 def tiny_shapes() -> KernelShapes:

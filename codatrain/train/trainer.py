@@ -95,7 +95,7 @@ class Trainer:
         # kernels.on_stale) when it was not built for this run and software.
         self.kernel_cache = KernelCache(run.kernels.cache_dir, dist_info)
         self.block = block = resolve_block(run.block.impl, run.block.backend, run.block.attention, device)
-        shapes = kernel_shapes(self.model_cfg, tcfg.micro_batch_size, self.seq_len, block)
+        shapes = kernel_shapes(run, block)
         self.kernel_cache.ensure(shapes, run.kernels.on_stale)
 
         # Build on the meta device, wrap, shard, then materialise: no process ever holds the full
@@ -153,7 +153,7 @@ class Trainer:
             batch = next(batches)
             data_time += time.perf_counter() - t0
             with self._autocast():
-                loss = self.model(batch.inputs, batch.targets)
+                loss = self.model(batch.inputs, batch.targets, doc_ids=batch.doc_ids)
             (loss / self.grad_accum).backward()
             loss_sum += loss.detach()
         clip = self.run.optim.grad_clip
@@ -171,7 +171,7 @@ class Trainer:
         total, count = torch.zeros((), device=self.dist.device), 0
         for batch in itertools.islice(self.val_data, self.run.train.val_batches):
             with self._autocast():
-                total += self.model(batch.inputs, batch.targets)
+                total += self.model(batch.inputs, batch.targets, doc_ids=batch.doc_ids)
             count += 1
         reshard_after_eval(self.model)
         return all_reduce_mean(total / count).item()
