@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from codatrain.config import DataConfig
-from codatrain.data import build_loaders, cu_seqlens_from_doc_ids, prepare_streams, unigram_entropy
+from codatrain.data import build_loaders, prepare_streams, unigram_entropy
 from codatrain.data.sources import EMBEDDED_PATH, EMBEDDED_SHA256
 from codatrain.data.token_cache import is_held_out
 
@@ -74,13 +74,6 @@ def test_document_ids_follow_boundaries(tmp_path):
         expected = doc_of_token[7 * i:7 * i + 7]
         assert batch.doc_ids.dtype == torch.int32
         assert batch.doc_ids[0].tolist() == (expected - expected[0]).tolist()
-
-
-def test_cu_seqlens_from_doc_ids():
-    doc_ids = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 0, 0, 0, 0, 0]], dtype=torch.int32)
-    cu_seqlens, max_seqlen = cu_seqlens_from_doc_ids(doc_ids)
-    assert cu_seqlens.tolist() == [0, 2, 5, 6, 12] and cu_seqlens.dtype == torch.int32
-    assert max_seqlen == 6
 
 
 def test_unigram_entropy_is_that_of_the_token_counts(tmp_path):

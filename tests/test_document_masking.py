@@ -31,6 +31,10 @@ def documents_of(doc_ids: torch.Tensor) -> list[tuple[int, slice]]:
 
 
 def test_documents_from_ids():
+    # The loader's form: int32, counted from 0 in each row.
+    loader_ids = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 0, 0, 0, 0, 0]], dtype=torch.int32)
+    assert documents_from_ids(loader_ids).cu_seqlens.tolist() == [0, 2, 5, 6, 12]
+
     docs = documents_from_ids(torch.tensor([[7, 7, 7, 2, 2, 7], [0, 0, 0, 0, 0, 0]]))
     # The third run of the first row is a new document although its id was seen before.
     assert docs.doc_index.tolist() == [[0, 0, 0, 1, 1, 2], [0, 0, 0, 0, 0, 0]]

@@ -49,8 +49,8 @@ class Documents:
 
 def documents_from_ids(doc_ids: torch.Tensor, block_mask: bool | None = None) -> Documents:
     """The `Documents` of doc_ids (B, T), where a document is a run of equal ids within a row
-    (the data loader's `Batch.doc_ids`). block_mask: build flex_attention's block mask (default:
-    on CUDA, where `document_attention` uses it)."""
+    (the data loader's `Batch.doc_ids`). block_mask: build flex_attention's block mask, which
+    `document_attention` then uses (default: on CUDA; FA4 needs none)."""
     rows, seq_len = doc_ids.shape
     starts = torch.ones_like(doc_ids, dtype=torch.bool)
     starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
@@ -66,18 +66,20 @@ def documents_from_ids(doc_ids: torch.Tensor, block_mask: bool | None = None) ->
         del h
         return (doc_index[b, q] == doc_index[b, k]) & (q >= k)
 
-    mask = (
-        create_block_mask(same_document_causal, rows, None, seq_len, seq_len, device=doc_ids.device)
-        if block_mask else None
-    )
+    mask = None
+    if block_mask:
+        # Compiled on CUDA: eagerly, building the mask would materialise B·T·T index tensors.
+        build = _compiled(create_block_mask) if doc_ids.is_cuda else create_block_mask
+        mask = build(same_document_causal, rows, None, seq_len, seq_len, device=doc_ids.device)
     return Documents(doc_index, cu_seqlens, seq_len, positions, mask)
 
 
 @functools.cache
-def _compiled_flex_attention() -> Callable:
-    # flex_attention is fast only compiled (unfused, it materialises every score); compiling the
-    # function itself is PyTorch's recommended use, also inside a block that torch.compile wraps.
-    return torch.compile(flex_attention, dynamic=False)
+def _compiled(fn: Callable) -> Callable:
+    """torch.compile of a flex_attention function, once per process. flex_attention is fast only
+    compiled (unfused, it materialises every score); compiling the functions themselves is
+    PyTorch's recommended use, also inside a block that torch.compile wraps."""
+    return torch.compile(fn, dynamic=False)
 
 
 def document_attention(
@@ -88,7 +90,7 @@ def document_attention(
     flex_attention, which skips the blocks that cross documents; else SDPA with a dense mask."""
     if documents.block_mask is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=documents.dense_mask(), enable_gqa=True)
-    flex = _compiled_flex_attention() if q.is_cuda else flex_attention
+    flex = _compiled(flex_attention) if q.is_cuda else flex_attention
     return flex(q, k, v, block_mask=documents.block_mask, enable_gqa=True)
 
 

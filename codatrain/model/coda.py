@@ -398,7 +398,7 @@ class CodaLlama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.stages = get_backend(backend, device)
-        self.attention_fn = get_attention(attention, device)
+        self.attention_name, self.attention_fn = attention, get_attention(attention, device)
         self.entry = CodaEntry(cfg)
         chunk_rows = head_chunk_rows or self.stages.head_chunk_rows(cfg.vocab_size)
         self.layers = nn.ModuleList(
@@ -417,7 +417,11 @@ class CodaLlama(nn.Module):
         batch, seq = tokens.shape
         if seq > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds model.max_seq_len={self.cfg.max_seq_len}")
-        documents = None if doc_ids is None else documents_from_ids(doc_ids)
+        documents = None
+        if doc_ids is not None:
+            # Only PyTorch's attention reads flex_attention's block mask; FA4 takes cu_seqlens.
+            block_mask = None if self.attention_name == "sdpa" else False
+            documents = documents_from_ids(doc_ids, block_mask=block_mask)
         step = ForwardStep.of(self.stages, self.attention_fn, batch, seq, tokens.device, documents)
         x, qkv = self.entry(tokens.reshape(-1), step)
         for layer in self.layers[:-1]:

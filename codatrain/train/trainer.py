@@ -291,6 +291,13 @@ class Trainer:
             f"{self.dist.world_size} × {self.dist.device.type} | seq {self.seq_len} × micro-batch "
             f"{tcfg.micro_batch_size} × accum {self.grad_accum} = {self.tokens_per_step} tokens/step"
         )
+        optim = self.run.optim  # the model config's recipe, with any overrides
+        clip = f"{optim.grad_clip:g}" if optim.grad_clip > 0 else "off"
+        self.logger.info(
+            f"recipe: AdamW lr {optim.lr:g}, {optim.warmup_steps} warmup steps, {optim.schedule} to "
+            f"{optim.min_lr_ratio:g}× | weight decay {optim.weight_decay:g} | betas ({optim.beta1:g}, "
+            f"{optim.beta2:g}) | grad clip {clip}"
+        )
 
     def close(self) -> None:
         self.logger.close()
