@@ -47,8 +47,8 @@ def nan_loss_on_steps(monkeypatch, steps: set[int], grad_accum: int = 2) -> None
     """The training loss of the given optimizer steps (1-based, this run) becomes NaN."""
     original, calls = Llama.forward, itertools.count()
 
-    def forward(self, tokens, targets=None):
-        out = original(self, tokens, targets)
+    def forward(self, tokens, targets=None, doc_ids=None):
+        out = original(self, tokens, targets, doc_ids)
         if targets is not None and next(calls) // grad_accum + 1 in steps:
             return out * float("nan")
         return out
