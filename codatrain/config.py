@@ -182,6 +182,9 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
+    """AdamW and its schedule. Each model config (configs/model/<preset>.yaml) sets these keys to
+    its training recipe; the defaults here serve a model config that has none."""
+
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1

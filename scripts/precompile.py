@@ -21,7 +21,7 @@ import sys
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from codatrain.config import load_config, model_config, validate
+from codatrain.config import load_config, validate
 from codatrain.kernels.precompile import HOPPER_SMS, KernelCacheError, cache_problems, precompile
 from codatrain.kernels.resolve import resolve_block
 from codatrain.train.kernel_cache import kernel_shapes
@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int | str:
         run = OmegaConf.to_object(cfg)
         # Resolved for the target, a Hopper GPU with the cuda extras (device None).
         block = resolve_block(run.block.impl, run.block.backend, run.block.attention, None)
-        shapes = kernel_shapes(model_config(run.model), run.train.micro_batch_size, run.data.seq_len, block)
+        shapes = kernel_shapes(run, block)
     except (ValueError, ConfigCompositionException) as error:
         return f"error: {error}"
     if run.kernels.cache_dir is None:

@@ -9,6 +9,7 @@ from omegaconf import OmegaConf
 
 from codatrain.config import load_config, model_config, validate
 from codatrain.model.config import LlamaConfig, get_preset
+from codatrain.train.trainer import train
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -84,3 +85,69 @@ def test_a_bad_choice_fails_the_script_in_one_line(tmp_path):
                            f"train.run_dir={tmp_path}"], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "block.impl" in proc.stderr and "expected one of [eager, coda]" in proc.stderr
+
+
+# ---- training recipes: one per model config (configs/model/<preset>.yaml) -----------------------
+
+RECIPE_KEYS = ("lr", "warmup_steps", "min_lr_ratio", "weight_decay", "beta1", "beta2", "grad_clip")
+
+
+def recipe(run) -> dict:
+    values = {key: getattr(run.optim, key) for key in RECIPE_KEYS}
+    return {**values, "tokens_per_step": run.train.tokens_per_step}
+
+
+def readme_recipes() -> dict[str, dict]:
+    """The README's recipe table, read back as config values."""
+    readme = (REPO / "README.md").read_text()
+    table = readme[readme.index("| preset | peak lr |"):].split("\n\n")[0].splitlines()[2:]
+    recipes = {}
+    for row in table:
+        cells = (cell.strip() for cell in row.strip("|").split("|"))
+        preset, lr, warmup, min_lr, decay, betas, clip, tokens, _source = cells
+        beta1, beta2 = (float(b) for b in betas.strip("()").split(","))
+        recipes[preset.strip("`")] = {
+            "lr": float(lr), "warmup_steps": int(warmup), "min_lr_ratio": float(min_lr.split()[0]),
+            "weight_decay": float(decay), "beta1": beta1, "beta2": beta2, "grad_clip": float(clip),
+            "tokens_per_step": int(tokens.split()[0].replace(",", "")) if tokens[0].isdigit() else None,
+        }
+    return recipes
+
+
+def test_every_preset_has_its_recipe_and_the_readme_lists_it():
+    table = readme_recipes()
+    presets = sorted(path.stem for path in (REPO / "configs" / "model").glob("*.yaml"))
+    assert sorted(table) == presets == ["llama3_125m", "llama3_1b", "llama3_8b", "tiny"]
+    for preset in presets:
+        run = validate(load_config([f"model={preset}"]))
+        assert run.model.preset == preset
+        assert recipe(run) == table[preset], preset
+    # Larger models train at lower peak rates.
+    lrs = [table[p]["lr"] for p in ("tiny", "llama3_125m", "llama3_1b", "llama3_8b")]
+    assert lrs == sorted(lrs, reverse=True)
+
+
+def test_the_default_run_keeps_its_recipe():
+    run = validate(load_config())
+    assert recipe(run) == {"lr": 3e-3, "warmup_steps": 20, "min_lr_ratio": 0.1, "weight_decay": 0.1,
+                           "beta1": 0.9, "beta2": 0.95, "grad_clip": 1.0, "tokens_per_step": None}
+    assert run.optim.schedule == "cosine"
+
+
+def test_recipe_keys_are_overridable_one_by_one():
+    base = recipe(validate(load_config(["model=llama3_1b"])))
+    run = validate(load_config(["model=llama3_1b", "optim.lr=1e-3", "train.tokens_per_step=null"]))
+    assert recipe(run) == {**base, "lr": 1e-3, "tokens_per_step": None}
+    # Another schedule keeps the recipe's values; another model brings its own.
+    wsd = validate(load_config(["model=llama3_1b", "optim=wsd"]))
+    assert wsd.optim.schedule == "wsd" and recipe(wsd) == base
+    assert recipe(validate(load_config(["model=llama3_8b", "model.n_layers=4"]))) != base
+
+
+def test_run_header_prints_the_recipe(tmp_path, capsys):
+    train(load_config(["model.n_layers=1", "optim.lr=1e-3", "optim.grad_clip=0", "train.steps=1",
+                       "train.val_every=0", "train.progress=false", "checkpoint.at_end=false",
+                       f"train.run_dir={tmp_path}"]))
+    header = capsys.readouterr().out.splitlines()[1]
+    assert header == ("recipe: AdamW lr 0.001, 20 warmup steps, cosine to 0.1× | weight decay 0.1 | "
+                      "betas (0.9, 0.95) | grad clip off")

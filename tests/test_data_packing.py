@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from codatrain.config import DataConfig
-from codatrain.data import build_loaders, cu_seqlens_from_doc_ids, prepare_streams, unigram_entropy
+from codatrain.data import build_loaders, prepare_streams, unigram_entropy
 from codatrain.data.packing import PackedWindows, collate
 from codatrain.data.sources import EMBEDDED_PATH, EMBEDDED_SHA256
 from codatrain.data.token_cache import is_held_out
@@ -95,13 +95,6 @@ def test_batch_moves_every_tensor_to_the_device():
     assert batch.inputs.tolist() == [[0, 1, 2, 3, 4], [1, 2, 3, 4, 5]]
     assert all(t.device.type == "meta" for t in batch.to(torch.device("meta")))
     assert collate([(window, None)]).to(torch.device("meta")).doc_ids is None
-
-
-def test_cu_seqlens_from_doc_ids():
-    doc_ids = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 0, 0, 0, 0, 0]], dtype=torch.int32)
-    cu_seqlens, max_seqlen = cu_seqlens_from_doc_ids(doc_ids)
-    assert cu_seqlens.tolist() == [0, 2, 5, 6, 12] and cu_seqlens.dtype == torch.int32
-    assert max_seqlen == 6
 
 
 def test_unigram_entropy_is_that_of_the_token_counts(tmp_path):

@@ -18,7 +18,7 @@ import torch
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from codatrain.config import load_config, model_config, validate
+from codatrain.config import load_config, validate
 from codatrain.kernels.precompile import (
     MANIFEST,
     KernelCacheError,
@@ -48,7 +48,7 @@ def shapes_of(overrides: list[str], device: torch.device | None = None) -> Kerne
     and scripts/precompile.py plan them."""
     run = run_config(overrides)
     block = resolve_block(run.block.impl, run.block.backend, run.block.attention, device)
-    return kernel_shapes(model_config(run.model), run.train.micro_batch_size, run.data.seq_len, block)
+    return kernel_shapes(run, block)
 
 
 def tiny_shapes() -> KernelShapes:
@@ -76,6 +76,11 @@ def test_shapes_of_a_run_config():
     # Depth never changes the kernels; the micro-batch does (FA4).
     assert shapes_of([*CODA_KERNELS, "model.n_layers=2"]) == shapes
     assert shapes_of([*CODA_KERNELS, "data.seq_len=256"]).key != shapes.key
+    # Document masking swaps FA4 for its varlen kernels; the stages stay the same.
+    documents = shapes_of([*CODA_KERNELS, "data.keep_document_boundaries=true"])
+    assert documents.documents and documents.key == f"{shapes.key} documents"
+    cute_sdpa = ["block=coda", "block.backend=cute", "block.attention=sdpa"]
+    assert shapes_of([*cute_sdpa, "data.keep_document_boundaries=true"]).key == shapes_of(cute_sdpa).key
     # No CuTeDSL kernel: the eager block, the reference stages with SDPA, `auto` on a CPU.
     assert not shapes_of(["block=eager"]).any
     reference = ["block=coda", "block.backend=reference", "block.attention=sdpa"]
@@ -156,3 +161,28 @@ def test_precompile_tiny_for_sm90a(tmp_path):
     assert cache_problems(tmp_path, shapes) == []
     check = precompile_script("--check", "model=tiny", f"kernels.cache_dir={tmp_path}")
     assert check.returncode == 0 and "fits" in check.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not all(importlib.util.find_spec(name) for name in CUDA_EXTRAS),
+    reason="needs the cuda extras (nvidia-cutlass-dsl, quack-kernels, flash-attn-4) and triton",
+)
+def test_precompile_varlen_attention_for_sm90a(tmp_path):
+    """data.keep_document_boundaries: FA4's varlen forward and backward, both with up to and over
+    256 documents per micro-batch (FA4's two variants), instead of its fixed-length kernels. The
+    stages are left out (reference backend): they do not change with documents."""
+    overrides = ["model=tiny", "block=coda", "block.backend=reference", "block.attention=fa4",
+                 "data.keep_document_boundaries=true", f"kernels.cache_dir={tmp_path}"]
+    proc = precompile_script(*overrides, "--jobs", "2")
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    shapes = shapes_of(overrides)
+    assert not shapes.stages and shapes.fa4 and shapes.documents
+    assert read_manifest(tmp_path)["configs"][shapes.key]["kernels"] == [
+        f"FA4 varlen {direction}, {count} 256 documents"
+        for count in ("up to", "over") for direction in ("forward", "backward")
+    ]
+    # Each spec compiled a kernel of its own: forward and backward main kernels, two variants each.
+    kinds = [path.parent.name for path in (tmp_path / "fa4").rglob("*.o")]  # FA4 files by kernel kind
+    assert kinds.count("fwd") == 2 and kinds.count("bwd") == 2
+    assert cache_problems(tmp_path, shapes) == []

@@ -23,7 +23,8 @@ class Batch(NamedTuple):
 
     doc_ids (when data.keep_document_boundaries): (batch, seq_len) int32, the index of the document
     each input token belongs to, counted from 0 in every row. A document starts at its BOS, and its
-    EOS belongs to it. `cu_seqlens_from_doc_ids` turns it into FlashAttention's varlen form.
+    EOS belongs to it. The models take it as `doc_ids` and mask attention to each document
+    (`codatrain.kernels.attention.documents_from_ids`).
     """
 
     inputs: torch.Tensor
@@ -107,13 +108,3 @@ def collate(windows: list[Window]) -> Batch:
         targets[~torch.from_numpy(np.stack([w.target_mask for w in windows]))] = IGNORE_INDEX
     return Batch(tokens[:, :-1].contiguous(), targets, doc_ids)
 
-
-def cu_seqlens_from_doc_ids(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """(cu_seqlens, max_seqlen) of the flattened batch, as FlashAttention's varlen functions take them:
-    int32 offsets of every document piece in batch·seq_len tokens (rows never share a piece)."""
-    rows, cols = doc_ids.shape
-    starts = torch.ones_like(doc_ids, dtype=torch.bool)
-    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    offsets = starts.flatten().nonzero().squeeze(1)
-    cu_seqlens = torch.cat([offsets, offsets.new_tensor([rows * cols])]).to(torch.int32)
-    return cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max())

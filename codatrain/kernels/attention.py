@@ -1,28 +1,117 @@
-"""Causal self-attention for the CODA model, on the fused (M, N_qkv) output of the QKV stage.
+"""Causal self-attention for the CODA model, on the fused (M, N_qkv) output of the QKV stage,
+and the document masks of packed sequences that every model's attention and RoPE share.
 
 Attention is not a CODA stage: it runs as one FlashAttention-style call, differentiated by
-autograd. Implementations are registered by name: `sdpa` (PyTorch's scaled_dot_product_attention,
-any device) here, `fa4` (FlashAttention 4, sm_90) by `codatrain.kernels.cute` on import with
+autograd. Implementations are registered by name: `sdpa` (PyTorch's own attention, any device)
+here, `fa4` (FlashAttention 4, sm_90) by `codatrain.kernels.cute` on import with
 `register_attention("fa4", fn)`.
+
+Document masking. A packed window holds several documents; with `data.keep_document_boundaries`
+a token attends only to the earlier tokens of its own document and its RoPE position counts from
+its document's start. `documents_from_ids` turns a batch's document ids into `Documents`, once
+per micro-batch, in every form an implementation takes: FlashAttention's varlen offsets, per-token
+positions, and on CUDA flex_attention's block mask. Without documents every implementation runs
+its plain causal kernel, unchanged.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from codatrain.kernels.stages import BackendUnavailableError, is_sm90, load_registered
 
-# (q (B, T, h_q, d_h), k (B, T, h_kv, d_h), v (B, T, h_kv, d_h)) -> out (B, T, h_q, d_h), causal.
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+@dataclass(frozen=True, eq=False)
+class Documents:
+    """The documents of a micro-batch of B rows of T tokens (`documents_from_ids`). A document
+    never spans two rows."""
+
+    doc_index: torch.Tensor  # (B, T) int64: which document of its row each token is in (0, 1, …)
+    cu_seqlens: torch.Tensor  # (n + 1,) int32: start of each of the n documents in the B·T
+    # flattened tokens, then B·T (FlashAttention's varlen form)
+    max_seqlen: int  # a bound on the document length: T. Not the longest document: that would
+    # cost a device sync, and FA4 picks its kernel variant from it (precompile could not know it)
+    positions: torch.Tensor  # (B·T,) int64: each token's position within its document (RoPE)
+    block_mask: BlockMask | None  # flex_attention's mask, on CUDA only (see `document_attention`)
+
+    def dense_mask(self) -> torch.Tensor:
+        """(B, 1, T, T) bool: query i may attend to key j (same document, j ≤ i)."""
+        same_document = self.doc_index[:, :, None] == self.doc_index[:, None, :]
+        return (same_document & torch.ones_like(same_document[0], dtype=torch.bool).tril())[:, None]
 
 
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
-    )
+def documents_from_ids(doc_ids: torch.Tensor, block_mask: bool | None = None) -> Documents:
+    """The `Documents` of doc_ids (B, T), where a document is a run of equal ids within a row
+    (the data loader's `Batch.doc_ids`). block_mask: build flex_attention's block mask, which
+    `document_attention` then uses (default: on CUDA; FA4 needs none)."""
+    rows, seq_len = doc_ids.shape
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    doc_index = starts.cumsum(1) - 1
+    offsets = starts.flatten().nonzero().squeeze(1)  # document starts in the flattened tokens
+    document_of_token = starts.flatten().cumsum(0) - 1
+    positions = torch.arange(rows * seq_len, device=doc_ids.device) - offsets[document_of_token]
+    cu_seqlens = torch.cat([offsets, offsets.new_tensor([rows * seq_len])]).to(torch.int32)
+    if block_mask is None:
+        block_mask = doc_ids.is_cuda
+
+    def same_document_causal(b, h, q, k):
+        del h
+        return (doc_index[b, q] == doc_index[b, k]) & (q >= k)
+
+    mask = None
+    if block_mask:
+        # Compiled on CUDA: eagerly, building the mask would materialise B·T·T index tensors.
+        build = _compiled(create_block_mask) if doc_ids.is_cuda else create_block_mask
+        mask = build(same_document_causal, rows, None, seq_len, seq_len, device=doc_ids.device)
+    return Documents(doc_index, cu_seqlens, seq_len, positions, mask)
+
+
+@functools.cache
+def _compiled(fn: Callable) -> Callable:
+    """torch.compile of a flex_attention function, once per process. flex_attention is fast only
+    compiled (unfused, it materialises every score); compiling the functions themselves is
+    PyTorch's recommended use, also inside a block that torch.compile wraps."""
+    return torch.compile(fn, dynamic=False)
+
+
+def document_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents
+) -> torch.Tensor:
+    """Causal GQA attention within documents: q (B, h_q, T, d_h), k and v (B, h_kv, T, d_h) →
+    (B, h_q, T, d_h), the layout of F.scaled_dot_product_attention. With a block mask (CUDA):
+    flex_attention, which skips the blocks that cross documents; else SDPA with a dense mask."""
+    if documents.block_mask is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=documents.dense_mask(), enable_gqa=True)
+    flex = _compiled(flex_attention) if q.is_cuda else flex_attention
+    return flex(q, k, v, block_mask=documents.block_mask, enable_gqa=True)
+
+
+class AttentionFn(Protocol):
+    """(q (B, T, h_q, d_h), k (B, T, h_kv, d_h), v (B, T, h_kv, d_h), documents) -> out (B, T,
+    h_q, d_h): causal, and within documents when they are given."""
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None = None
+    ) -> torch.Tensor: ...
+
+
+def sdpa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None = None
+) -> torch.Tensor:
+    """PyTorch's attention: scaled_dot_product_attention, or `document_attention` with documents."""
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if documents is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    else:
+        out = document_attention(q, k, v, documents)
     return out.transpose(1, 2)
 
 
@@ -50,11 +139,13 @@ def get_attention(name: str, device: torch.device | str | None = None) -> Attent
 
 
 def causal_attention(
-    qkv: torch.Tensor, batch: int, n_heads: int, n_kv_heads: int, head_dim: int, attention: AttentionFn
+    qkv: torch.Tensor, batch: int, n_heads: int, n_kv_heads: int, head_dim: int, attention: AttentionFn,
+    documents: Documents | None = None,
 ) -> torch.Tensor:
-    """Attention over qkv (M, (h_q + 2·h_kv)·d_h), M = batch·T rows in sequence order; returns
-    the attention output (M, h_q·d_h), the A operand of the out-projection."""
+    """Attention over qkv (M, (h_q + 2·h_kv)·d_h), M = batch·T rows in sequence order, within
+    `documents` when given; returns the attention output (M, h_q·d_h), the A operand of the
+    out-projection."""
     q, k, v = qkv.view(batch, -1, n_heads + 2 * n_kv_heads, head_dim).split(
         [n_heads, n_kv_heads, n_kv_heads], dim=2
     )
-    return attention(q, k, v).reshape(qkv.shape[0], n_heads * head_dim)
+    return attention(q, k, v, documents).reshape(qkv.shape[0], n_heads * head_dim)

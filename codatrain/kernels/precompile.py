@@ -71,9 +71,11 @@ class KernelShapes:
     """Everything that decides which kernels a training config launches.
 
     Model widths, the micro-batch (FA4's variant depends on batch and sequence length; the GEMMs
-    compile for any M) and which parts of the block run as CuTeDSL kernels: `stages` (the CODA
+    compile for any M), which parts of the block run as CuTeDSL kernels: `stages` (the CODA
     stages on the cute backend) and `fa4` (attention), as `codatrain.kernels.resolve` resolved
-    them. Depth does not matter: every layer launches the same kernels.
+    them, and `documents` (data.keep_document_boundaries: FA4 runs its variable-length kernels
+    instead; the stages do not change). Depth does not matter: every layer launches the same
+    kernels.
     """
 
     dim: int
@@ -86,6 +88,7 @@ class KernelShapes:
     seq_len: int
     stages: bool = True
     fa4: bool = True
+    documents: bool = False
 
     @property
     def any(self) -> bool:
@@ -99,6 +102,8 @@ class KernelShapes:
             f"ffn{self.ffn_dim}", f"vocab{self.vocab_size}", f"batch{self.batch}x{self.seq_len}",
         ]
         parts += [name for name in ("stages", "fa4") if getattr(self, name)]
+        if self.fa4 and self.documents:
+            parts.append("documents")
         return " ".join(parts)
 
 

@@ -25,7 +25,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from codatrain.kernels.attention import AttentionFn, causal_attention, get_attention
+from codatrain.kernels.attention import (
+    AttentionFn,
+    Documents,
+    causal_attention,
+    documents_from_ids,
+    get_attention,
+)
 from codatrain.kernels.stages import IGNORE_INDEX, StageBackend, get_backend
 from codatrain.model.config import LlamaConfig
 from codatrain.model.init import init_canonical_weights
@@ -54,23 +60,32 @@ class ForwardStep:
 
     stages: StageBackend
     attention: AttentionFn
-    positions: torch.Tensor  # (M,) int64: position of each token row within its sequence
+    positions: torch.Tensor  # (M,) int64: position of each token row within its sequence (its
+    # document, when there are documents)
     batch: int
     dtype: torch.dtype | None  # the autocast dtype when autocast is on: custom Functions are not
     # autocast-aware, so the modules cast their parameters themselves
+    documents: Documents | None = None  # attention stays within these documents when given
 
     @classmethod
     def of(
-        cls, stages: StageBackend, attention: AttentionFn, batch: int, seq_len: int, device: torch.device
+        cls, stages: StageBackend, attention: AttentionFn, batch: int, seq_len: int, device: torch.device,
+        documents: Documents | None = None,
     ) -> ForwardStep:
-        """The step of `batch` sequences of `seq_len` tokens on `device`, rows in sequence order."""
+        """The step of `batch` sequences of `seq_len` tokens on `device`, rows in sequence order,
+        packed with `documents` (None: each row is one sequence)."""
         autocast = torch.is_autocast_enabled(device.type)
+        if documents is None:
+            positions = torch.arange(seq_len, device=device).repeat(batch)
+        else:
+            positions = documents.positions
         return cls(
             stages=stages,
             attention=attention,
-            positions=torch.arange(seq_len, device=device).repeat(batch),
+            positions=positions,
             batch=batch,
             dtype=torch.get_autocast_dtype(device.type) if autocast else None,
+            documents=documents,
         )
 
 
@@ -290,7 +305,9 @@ class _ShiftedLayer(nn.Module):
 
     def attention(self, qkv: torch.Tensor, step: ForwardStep) -> torch.Tensor:
         cfg = self.cfg
-        return causal_attention(qkv, step.batch, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, step.attention)
+        return causal_attention(
+            qkv, step.batch, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, step.attention, step.documents
+        )
 
     def mlp_params(self, dtype: torch.dtype | None) -> list[torch.Tensor]:
         return [_cast(p, dtype) for p in (self.w_o, self.gamma_mlp, self.w_gate_up, self.w_down)]
@@ -365,7 +382,8 @@ def gate_up_row_order(cfg: LlamaConfig, device: torch.device | str = "cpu") -> t
 class CodaLlama(nn.Module):
     """Llama decoder computed as CODA stages. `forward(tokens)` gives logits; `forward(tokens,
     targets)` the mean cross-entropy over targets that are not IGNORE_INDEX (`reduction="sum"`:
-    their sum, as `codatrain.model.llama.lm_loss`).
+    their sum, as `codatrain.model.llama.lm_loss`). With `doc_ids` (B, T) attention stays within
+    each document and RoPE positions restart at every document start (as in `Llama`).
 
     backend: stage backend (reference | cute); attention: sdpa | fa4, both looked up once, here.
     device: where the model will run, to check that the kernels run there (None: not checked).
@@ -380,7 +398,7 @@ class CodaLlama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.stages = get_backend(backend, device)
-        self.attention_fn = get_attention(attention, device)
+        self.attention_name, self.attention_fn = attention, get_attention(attention, device)
         self.entry = CodaEntry(cfg)
         chunk_rows = head_chunk_rows or self.stages.head_chunk_rows(cfg.vocab_size)
         self.layers = nn.ModuleList(
@@ -394,14 +412,20 @@ class CodaLlama(nn.Module):
         return [self.entry, *self.layers]
 
     def forward(
-        self, tokens: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean"
+        self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None, reduction: str = "mean",
     ) -> torch.Tensor:
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction={reduction!r} is not mean or sum")
         batch, seq = tokens.shape
         if seq > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds model.max_seq_len={self.cfg.max_seq_len}")
-        step = ForwardStep.of(self.stages, self.attention_fn, batch, seq, tokens.device)
+        documents = None
+        if doc_ids is not None:
+            # Only PyTorch's attention reads flex_attention's block mask; FA4 takes cu_seqlens.
+            block_mask = None if self.attention_name == "sdpa" else False
+            documents = documents_from_ids(doc_ids, block_mask=block_mask)
+        step = ForwardStep.of(self.stages, self.attention_fn, batch, seq, tokens.device, documents)
         x, qkv = self.entry(tokens.reshape(-1), step)
         for layer in self.layers[:-1]:
             x, qkv = layer(qkv, x, step)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from codatrain.kernels.attention import Documents, document_attention, documents_from_ids
 from codatrain.kernels.stages import IGNORE_INDEX, rope_inv_freq
 from codatrain.model.config import LlamaConfig
 from codatrain.model.init import init_canonical_weights
@@ -34,8 +35,9 @@ class RMSNorm(nn.Module):
 def rope_cos_sin(
     positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of shape (T, head_dim) in the HF convention: angles repeated over both halves."""
-    angles = positions.to(torch.float64)[:, None] * rope_inv_freq(head_dim, theta, positions.device)[None, :]
+    """cos/sin of shape (*positions.shape, head_dim) in the HF convention: angles repeated over
+    both halves."""
+    angles = positions.to(torch.float64)[..., None] * rope_inv_freq(head_dim, theta, positions.device)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -54,13 +56,18 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.dim, cfg.qkv_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Documents | None = None
+    ) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2).split(
             [self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=1
         )
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if documents is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            out = document_attention(q, k, v, documents)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -83,8 +90,10 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Documents | None = None
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, documents)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -101,7 +110,9 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"
 
 class Llama(nn.Module):
     """Llama decoder. `forward(tokens)` gives logits; `forward(tokens, targets)` the mean loss over
-    the targets that are not IGNORE_INDEX (`reduction="sum"`: their sum, see `lm_loss`)."""
+    the targets that are not IGNORE_INDEX (`reduction="sum"`: their sum, see `lm_loss`). With
+    `doc_ids` (B, T) (the data loader's `Batch.doc_ids`) attention stays within each document and
+    RoPE positions restart at every document start."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -126,16 +137,20 @@ class Llama(nn.Module):
         init_canonical_weights(self, seed)
 
     def forward(
-        self, tokens: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean"
+        self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None, reduction: str = "mean",
     ) -> torch.Tensor:
-        if tokens.shape[1] > self.cfg.max_seq_len:
-            raise ValueError(
-                f"sequence length {tokens.shape[1]} exceeds model.max_seq_len={self.cfg.max_seq_len}"
-            )
+        batch, seq = tokens.shape
+        if seq > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {seq} exceeds model.max_seq_len={self.cfg.max_seq_len}")
         x = self.embed_tokens(tokens)
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        documents = None if doc_ids is None else documents_from_ids(doc_ids)
+        if documents is None:
+            positions = torch.arange(seq, device=tokens.device)  # (T,), shared by every row
+        else:
+            positions = documents.positions.view(batch, 1, seq)  # (B, 1, T): broadcast over heads
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, documents)
         logits = self.lm_head(self.norm(x))
         return logits if targets is None else lm_loss(logits, targets, reduction)

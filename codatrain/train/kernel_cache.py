@@ -16,19 +16,21 @@ from pathlib import Path
 import torch
 import torch.distributed
 
+from codatrain.config import RunConfig, model_config
 from codatrain.kernels.precompile import KernelShapes, ensure_cache, point_libraries_at
 from codatrain.kernels.resolve import ResolvedBlock
-from codatrain.model.config import LlamaConfig
 from codatrain.train.distributed import DistInfo
 
 
-def kernel_shapes(cfg: LlamaConfig, batch: int, seq_len: int, block: ResolvedBlock) -> KernelShapes:
-    """The kernels a job of model `cfg`, `batch` sequences of `seq_len` tokens per micro-step and
-    the resolved `block` launches."""
+def kernel_shapes(run: RunConfig, block: ResolvedBlock) -> KernelShapes:
+    """The kernels a job of `run` launches on the resolved `block`: its model widths, micro-batch
+    (train.micro_batch_size sequences of data.seq_len tokens) and document masking."""
+    cfg = model_config(run.model)
     return KernelShapes(
         dim=cfg.dim, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-        ffn_dim=cfg.ffn_dim, vocab_size=cfg.vocab_size, batch=batch, seq_len=seq_len,
-        stages=block.cute_stages, fa4=block.fa4,
+        ffn_dim=cfg.ffn_dim, vocab_size=cfg.vocab_size, batch=run.train.micro_batch_size,
+        seq_len=run.data.seq_len, stages=block.cute_stages, fa4=block.fa4,
+        documents=run.data.keep_document_boundaries,
     )
 
 

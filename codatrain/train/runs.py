@@ -52,9 +52,12 @@ def run_variant(name: str, overrides: list[str], steps: int, run_dir: Path, npro
     {"variant", "records", "profile": the profiler summary or None}, or {"variant", "error"}."""
     # Profiled steps (and the profiler's warm-up step) come after the timed ones.
     total_steps = steps + profile + 1 if profile else steps
+    # One micro-batch per process and step unless the overrides say otherwise: a step of the
+    # model's recipe batch (millions of tokens) would make every timed step minutes long.
     code = train_job(nproc, [
-        *VARIANTS[name], *overrides, f"train.steps={total_steps}", f"train.profile_steps={profile}",
-        f"train.profile_skip={steps}", "checkpoint.at_end=false", "checkpoint.resume=none",
+        *VARIANTS[name], "train.tokens_per_step=null", *overrides, f"train.steps={total_steps}",
+        f"train.profile_steps={profile}", f"train.profile_skip={steps}", "checkpoint.at_end=false",
+        "checkpoint.resume=none",
     ], run_dir)
     if code != 0:
         return {"variant": name, "error": f"exit code {code}"}

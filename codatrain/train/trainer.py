@@ -97,7 +97,7 @@ class Trainer:
         # kernels.on_stale) when it was not built for this run and software.
         self.kernel_cache = KernelCache(run.kernels.cache_dir, dist_info)
         self.block = block = resolve_block(run.block.impl, run.block.backend, run.block.attention, device)
-        shapes = kernel_shapes(self.model_cfg, tcfg.micro_batch_size, self.seq_len, block)
+        shapes = kernel_shapes(run, block)
         self.kernel_cache.ensure(shapes, run.kernels.on_stale)
 
         # Build on the meta device, wrap, shard, then materialise: no process ever holds the full
@@ -163,7 +163,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.dist.device)
         for batch in micro_batches:
             with self._autocast():
-                loss = self.model(batch.inputs, batch.targets, reduction="sum")
+                loss = self.model(batch.inputs, batch.targets, doc_ids=batch.doc_ids, reduction="sum")
             (loss * scale).backward()
             loss_sum += loss.detach()
         clip = self.run.optim.grad_clip
@@ -181,7 +181,7 @@ class Trainer:
         total, count = torch.zeros((), device=self.dist.device), 0
         for batch in itertools.islice(self.val_data, self.run.train.val_batches):
             with self._autocast():
-                total += self.model(batch.inputs, batch.targets)
+                total += self.model(batch.inputs, batch.targets, doc_ids=batch.doc_ids)
             count += 1
         reshard_after_eval(self.model)
         return all_reduce_mean(total / count).item()
@@ -300,6 +300,13 @@ class Trainer:
             f"{cfg.num_params() / 1e6:.1f}M params, {self.flops_per_token / 1e9:.3f} GFLOP/token | "
             f"{self.dist.world_size} × {self.dist.device.type} | seq {self.seq_len} × micro-batch "
             f"{tcfg.micro_batch_size} × accum {self.grad_accum} = {self.tokens_per_step} tokens/step"
+        )
+        optim = self.run.optim  # the model config's recipe, with any overrides
+        clip = f"{optim.grad_clip:g}" if optim.grad_clip > 0 else "off"
+        self.logger.info(
+            f"recipe: AdamW lr {optim.lr:g}, {optim.warmup_steps} warmup steps, {optim.schedule} to "
+            f"{optim.min_lr_ratio:g}× | weight decay {optim.weight_decay:g} | betas ({optim.beta1:g}, "
+            f"{optim.beta2:g}) | grad clip {clip}"
         )
         for loader in (self.train_data, self.val_data):
             if loader is not None and loader.report:  # fine-tuning data: examples packed, cut, dropped

@@ -45,14 +45,15 @@ import quack.gemm_interface
 import quack.gemm_tvm_ffi_utils
 import torch
 from flash_attn.cute import flash_attn_func
-from flash_attn.cute.interface import _flash_attn_bwd
+from flash_attn.cute.interface import BIN_BATCH_SEARCH_THRESH, _flash_attn_bwd
 from quack.cache import CacheInfo
 from quack.cute_dsl_utils import torch2cute_dtype_map
 from quack.rms_final_reduce import _compile_rms_final_reduce
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from codatrain.kernels.attention import causal_attention
+from codatrain.kernels.attention import Documents, causal_attention
 from codatrain.kernels.cute import CuteStages, entry, rowwise
+from codatrain.kernels.cute.attention import varlen_backward, varlen_forward
 from codatrain.kernels.precompile import KernelShapes
 from codatrain.kernels.stages import IGNORE_INDEX
 
@@ -215,13 +216,16 @@ def backward_kernels(s: KernelShapes) -> list[KernelSpec]:
 
 
 def attention_kernels(s: KernelShapes) -> list[KernelSpec]:
-    """FlashAttention 4, causal, on q/k/v split off the fused QKV output as the model splits it."""
+    """FlashAttention 4, causal, on q/k/v split off the fused QKV output as the model splits it;
+    with documents, its variable-length kernels instead."""
     if not s.fa4:
         return []
+    if s.documents:
+        return _varlen_attention_kernels(s)
 
     def run(backward: bool) -> Callable[[], object]:
         # The calls of codatrain.kernels.cute.attention (`_fa4_fwd`, `_fa4_bwd`).
-        def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: None) -> torch.Tensor:
             with torch.no_grad():
                 out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
             if backward:
@@ -234,6 +238,44 @@ def attention_kernels(s: KernelShapes) -> list[KernelSpec]:
         )
 
     return [KernelSpec("FA4 forward", run(backward=False)), KernelSpec("FA4 backward", run(backward=True))]
+
+
+def _varlen_attention_kernels(s: KernelShapes) -> list[KernelSpec]:
+    """FA4's varlen forward and backward, as `fa4_attention` calls them with `Documents`. FA4 adds
+    a batch-lookup aid, a kernel variant of its own, above BIN_BATCH_SEARCH_THRESH sequences: a
+    micro-batch with more documents than that (short ones) launches it, so it is compiled too
+    when the micro-batch has room for that many."""
+    counts = [1] + ([BIN_BATCH_SEARCH_THRESH + 1] if _tokens(s) > BIN_BATCH_SEARCH_THRESH else [])
+
+    def run(backward: bool, count: int) -> Callable[[], object]:
+        def attention(
+            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents
+        ) -> torch.Tensor:
+            tokens = [t.flatten(0, 1) for t in (q, k, v)]  # as `fa4_attention` flattens them
+            out, lse = varlen_forward(*tokens, documents.cu_seqlens, documents.max_seqlen)
+            if backward:
+                varlen_backward(torch.empty_like(out), *tokens, out, lse, documents.cu_seqlens,
+                                documents.max_seqlen)
+            return out
+
+        def compile() -> torch.Tensor:
+            m = _tokens(s)
+            documents = Documents(
+                doc_index=_index(s.batch, s.seq_len), max_seqlen=s.seq_len, positions=_index(m),
+                cu_seqlens=torch.empty(count + 1, dtype=torch.int32, device="cuda"), block_mask=None,
+            )
+            return causal_attention(
+                _act(m, _qkv_dim(s), device="cuda"), s.batch, s.n_heads, s.n_kv_heads, s.head_dim,
+                attention, documents,
+            )
+
+        return compile
+
+    return [
+        KernelSpec(f"FA4 varlen {direction}, {'up to' if count == 1 else 'over'} "
+                   f"{BIN_BATCH_SEARCH_THRESH} documents", run(direction == "backward", count))
+        for count in counts for direction in ("forward", "backward")
+    ]
 
 
 FAMILIES: tuple[Callable[[KernelShapes], list[KernelSpec]], ...] = (
