@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 from codatrain.config import register_configs
 from codatrain.kernels.stages import BackendUnavailableError
 from codatrain.train.checkpoint import CheckpointError
+from codatrain.train.run_lock import RunDirError
 from codatrain.train.trainer import NonFiniteError, train
 
 register_configs()
@@ -23,8 +24,10 @@ register_configs()
 def main(cfg: DictConfig) -> None:
     try:
         train(cfg)
-    except (ValueError, FileNotFoundError, BackendUnavailableError, CheckpointError, NonFiniteError) as error:
-        # Bad input or a diverged run: one clear line, not a traceback (checkpoints stay intact).
+    except (ValueError, FileNotFoundError, BackendUnavailableError, CheckpointError, NonFiniteError,
+            RunDirError) as error:
+        # Bad input, an unusable run dir, a failed save or a diverged run: one clear line, not a
+        # traceback (checkpoints stay intact).
         sys.exit(f"error: {error}")
 
 
