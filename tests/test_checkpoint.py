@@ -181,7 +181,17 @@ CORRUPTIONS = {
     "garbage manifest": lambda d: (d / "checkpoint.json").write_text("{not json"),
     "missing rank file": lambda d: (d / "rank_00000.json").unlink(),
     "garbage shard header": lambda d: _overwrite_start(next(d.glob("*.safetensors"))),
+    "flipped bits in tensor data": lambda d: flip_bytes(next(d.glob("*.safetensors"))),
 }
+
+
+def flip_bytes(path: Path, n: int = 32):
+    """Invert n bytes in the middle of a file: same size, headers intact, tensor data wrong."""
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        data = f.read(n)
+        f.seek(path.stat().st_size // 2)
+        f.write(bytes(b ^ 0xFF for b in data))
 
 
 def _truncate(path: Path):

@@ -24,6 +24,18 @@ class RunDirError(RuntimeError):
     """The run directory cannot be used: not a directory, not writable, or in use by another job."""
 
 
+def create_run_dir(run_dir: str | os.PathLike) -> None:
+    """Create the run directory; RunDirError, in one line, if it is a file or cannot be created."""
+    run_dir = Path(run_dir)
+    where = f"train.run_dir={run_dir}"
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirError(f"{where} is a file, not a directory")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise RunDirError(f"{where} cannot be written ({error.strerror or error})") from None
+
+
 class RunDirLock:
     """`with RunDirLock(run_dir, is_main):` on every rank; rank 0 creates the directory and holds
     the lock, and its failure is raised on every rank."""
@@ -44,10 +56,8 @@ class RunDirLock:
 
     def _acquire(self) -> None:
         where = f"train.run_dir={self.run_dir}"
-        if self.run_dir.exists() and not self.run_dir.is_dir():
-            raise RunDirError(f"{where} is a file, not a directory")
+        create_run_dir(self.run_dir)
         try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
             file = open(self.run_dir / LOCK_FILE, "a+")  # noqa: SIM115 (held open for the run)
         except OSError as error:
             raise RunDirError(f"{where} cannot be written ({error.strerror or error})") from None
