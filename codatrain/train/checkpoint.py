@@ -48,6 +48,7 @@ import os
 import random
 import re
 import shutil
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -113,9 +114,16 @@ class _HashingStream:
         self.raw, self.hash, self.size = raw, hashlib.blake2b(), 0
 
     def write(self, data: Any) -> int:
-        self.hash.update(data)
+        # Hash on another thread while this one writes (both release the GIL): the checksum costs
+        # no time beside a write of the same bytes.
+        hashing = threading.Thread(target=self.hash.update, args=(data,))
+        hashing.start()
+        try:
+            written = self.raw.write(data)
+        finally:
+            hashing.join()
         self.size += memoryview(data).nbytes
-        return self.raw.write(data)
+        return written
 
     def record(self) -> dict[str, Any]:
         return {"bytes": self.size, CHECKSUM: self.hash.hexdigest()}
