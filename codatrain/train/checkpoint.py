@@ -185,7 +185,7 @@ def dcp_load(tensors: dict[str, torch.Tensor], path: Path, manifest: Mapping[str
         dcp.load(tensors, storage_reader=checkpoint_reader(path, manifest), no_dist=not dist.is_initialized())
 
 
-def save_error_message(error: BaseException) -> str:
+def _save_error_message(error: BaseException) -> str:
     """One line for an error raised while saving: DCP wraps each rank's error in a
     CheckpointException whose text is a set of tracebacks."""
     if isinstance(error, CheckpointException) and error.failures:
@@ -499,7 +499,7 @@ def write_checkpoint(directory: Path, step: int, model_cfg: LlamaConfig, model: 
             raise TypeError(f"the data-loader state must be JSON-serializable: {type_error}") from None
     except (Exception, CheckpointException) as save_error:
         error = save_error
-    outcome = (written, None if error is None else save_error_message(error))
+    outcome = (written, None if error is None else _save_error_message(error))
     outcomes: list[Any] = [outcome]
     if dist.is_initialized():  # also the barrier before the manifest
         outcomes = [None] * _world_size()
