@@ -114,8 +114,8 @@ class _HashingStream:
         self.raw, self.hash, self.size = raw, hashlib.blake2b(), 0
 
     def write(self, data: Any) -> int:
-        # Hash on another thread while this one writes (both release the GIL): the checksum costs
-        # no time beside a write of the same bytes.
+        # Hash on another thread while this one writes (both release the GIL): where a core is
+        # free, the checksum overlaps the write instead of adding to it.
         hashing = threading.Thread(target=self.hash.update, args=(data,))
         hashing.start()
         try:
