@@ -87,19 +87,19 @@ def first_error_of_any_rank(message: str | None) -> str | None:
     return next((m for m in messages if m is not None), None)
 
 
-def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized():
-        value = value.clone()
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-    return value
-
-
 def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         value = value.clone()
         dist.all_reduce(value, op=dist.ReduceOp.AVG if value.is_cuda else dist.ReduceOp.SUM)
         if not value.is_cuda:  # gloo has no AVG
             value /= dist.get_world_size()
+    return value
+
+
+def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
     return value
 
 
