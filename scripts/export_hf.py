@@ -44,8 +44,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = export_checkpoint_to_hf(
             args.checkpoint, args.out_dir, dtype=DTYPES.get(args.dtype), max_shard_bytes=args.max_shard_size
         )
-    except CheckpointError as error:
+    except (CheckpointError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
+        return 1
+    except OSError as error:  # a full disk, a read-only folder: one line, not a traceback
+        print(f"error: cannot write {args.out_dir}: {error.strerror or error}", file=sys.stderr)
         return 1
     print(f"exported {args.checkpoint} ({cfg.num_params() / 1e6:.1f}M parameters) to {args.out_dir}")
     return 0

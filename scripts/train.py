@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 from codatrain.config import register_configs
 from codatrain.kernels.stages import BackendUnavailableError
 from codatrain.train.checkpoint import CheckpointError
+from codatrain.train.run_lock import RunDirError, create_run_dir
 from codatrain.train.trainer import NonFiniteError, train
 
 register_configs()
@@ -23,10 +24,26 @@ register_configs()
 def main(cfg: DictConfig) -> None:
     try:
         train(cfg)
-    except (ValueError, FileNotFoundError, BackendUnavailableError, CheckpointError, NonFiniteError) as error:
-        # Bad input or a diverged run: one clear line, not a traceback (checkpoints stay intact).
+    except (ValueError, FileNotFoundError, BackendUnavailableError, CheckpointError, NonFiniteError,
+            RunDirError) as error:
+        # Bad input, an unusable run dir, a failed save or a diverged run: one clear line, not a
+        # traceback (checkpoints stay intact).
         sys.exit(f"error: {error}")
 
 
+def run_dir_argument(argv: list[str]) -> str | None:
+    """The `train.run_dir=` given on the command line, if any (the last one wins, as in Hydra)."""
+    values = [arg.split("=", 1)[1] for arg in argv if arg.lstrip("+").startswith("train.run_dir=")]
+    return values[-1] if values else None
+
+
 if __name__ == "__main__":
+    # Hydra creates the run directory (hydra.run.dir) before main() runs and reports a failure as a
+    # traceback: create it here first, so that a run dir that is a file or read-only is one line.
+    run_dir = run_dir_argument(sys.argv[1:])
+    if run_dir is not None and "${" not in run_dir:
+        try:
+            create_run_dir(run_dir)
+        except RunDirError as error:
+            sys.exit(f"error: {error}")
     sys.exit(main())

@@ -1,6 +1,7 @@
 """Checkpointer on a bare model + optimizer: exact round trips, canonical layouts, completeness
 checks, pruning, and resharding from 2 FSDP2 processes (gloo) onto 1."""
 
+import errno
 import json
 import os
 import pickle
@@ -19,6 +20,7 @@ from codatrain.config import CheckpointConfig
 from codatrain.model import Llama, get_preset
 from codatrain.model.hf import save_hf
 from codatrain.model.layout import Canonical
+from codatrain.train import checkpoint
 from codatrain.train.checkpoint import CanonicalMapping, CheckpointError, canonical_state, inspect_checkpoint
 from codatrain.train.checkpointer import Checkpointer
 from codatrain.train.hf_io import load_hf_weights
@@ -181,7 +183,17 @@ CORRUPTIONS = {
     "garbage manifest": lambda d: (d / "checkpoint.json").write_text("{not json"),
     "missing rank file": lambda d: (d / "rank_00000.json").unlink(),
     "garbage shard header": lambda d: _overwrite_start(next(d.glob("*.safetensors"))),
+    "flipped bits in tensor data": lambda d: flip_bytes(next(d.glob("*.safetensors"))),
 }
+
+
+def flip_bytes(path: Path, n: int = 32):
+    """Invert n bytes in the middle of a file: same size, headers intact, tensor data wrong."""
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        data = f.read(n)
+        f.seek(path.stat().st_size // 2)
+        f.write(bytes(b ^ 0xFF for b in data))
 
 
 def _truncate(path: Path):
@@ -305,6 +317,10 @@ def test_two_processes_reshard_to_one_and_back(tmp_path):
 
 
 # ---- 2 processes: rank 0 decides and tidies up for every rank --------------------------------------
+def _disk_full(self, data):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
 def _rank0_worker(rank: int, world_size: int, port: int, tmp: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -324,6 +340,15 @@ def _rank0_worker(rank: int, world_size: int, port: int, tmp: str) -> None:
                 outcomes[case] = f"resumed at {Run(tmp / run_dir, rank=rank, resume=resume).ckpt.restore()}"
             except CheckpointError as error:
                 outcomes[case] = str(error)
+        # A full disk on rank 1 only: every rank raises (none waits in a collective), nothing is kept.
+        full_disk = Run(tmp / "full_disk", shard=True, rank=rank)
+        with pytest.MonkeyPatch.context() as patch:
+            if rank == 1:
+                patch.setattr(checkpoint._HashingStream, "write", _disk_full)
+            try:
+                full_disk.ckpt.save(3)
+            except CheckpointError as error:
+                outcomes["disk full on rank 1"] = str(error)
         (tmp / f"outcomes_{rank}.json").write_text(json.dumps(outcomes))
         dist.barrier()
     finally:
@@ -334,7 +359,8 @@ def _rank0_worker(rank: int, world_size: int, port: int, tmp: str) -> None:
 def test_rank_zero_decides_for_every_rank_and_tidies_the_checkpoint_root(tmp_path):
     """With 2 ranks: rank 0 creates the checkpoint root and removes the leftovers of any earlier
     interrupted save (a .tmp-step_7 while saving step 9); what rank 0 finds wrong when choosing the
-    checkpoint to resume is raised on every rank, with the real reason."""
+    checkpoint to resume is raised on every rank, with the real reason; so is a save that fails on
+    one rank only (a full disk), whose partial directory is removed."""
     one = Run(tmp_path / "one")
     one.step()
     source = one.ckpt.save(1)
@@ -357,3 +383,5 @@ def test_rank_zero_decides_for_every_rank_and_tidies_the_checkpoint_root(tmp_pat
     assert "checkpoint.resume=none" in outcomes[0]["resume=none"]
     assert outcomes[0]["missing rank file"].endswith("missing_rank_file: rank_00000.json is missing")
     assert outcomes[0]["odd manifest"].startswith("AttributeError: ")
+    assert "OSError on rank 1: [Errno 28] No space left on device" in outcomes[0]["disk full on rank 1"]
+    assert list((tmp_path / "full_disk/checkpoints").iterdir()) == []

@@ -12,7 +12,7 @@ from codatrain.model.hf import HFCheckpoint
 from codatrain.train.checkpoint import inspect_checkpoint
 from codatrain.train.distributed import init_distributed
 from codatrain.train.hf_io import export_checkpoint_to_hf
-from codatrain.train.logger import read_losses
+from codatrain.train.logger import read_losses, read_records
 from codatrain.train.trainer import NonFiniteError, Trainer, train
 
 STEPS = 8
@@ -139,16 +139,24 @@ def test_hf_exports_during_training_and_init_from_finetuning(tmp_path):
 def test_resume_from_two_processes_onto_one(tmp_path, run_torchrun):
     # Validation on, as in the README's torchrun command: each save follows an evaluation forward,
     # which left FSDP2's root unsharded and lost the run (KeyError in get_optimizer_state_dict).
-    with_validation = [o for o in FAST if not o.startswith("train.val_every=")] + ["train.val_every=4"]
+    # 3 validation batches: not a multiple of 2 ranks, so one rank's second forward is left out.
+    with_validation = [o for o in FAST if not o.startswith("train.val_every=")] + [
+        "train.val_every=4", "train.val_batches=3"
+    ]
     proc = run_torchrun(2, [*with_validation, f"train.run_dir={tmp_path / 'two'}", "checkpoint.every=4"])
     assert "step 4/8 | val loss" in proc.stdout + proc.stderr
     two = read_losses(tmp_path / "two")
     step_4 = tmp_path / "two/checkpoints/step_4"
     assert inspect_checkpoint(step_4)["world_size"] == 2
     assert inspect_checkpoint(tmp_path / "two/checkpoints/step_8")["world_size"] == 2
-    one = run(tmp_path / "one", f"checkpoint.resume={step_4}")
+    one = train(load_config([*with_validation, f"train.run_dir={tmp_path / 'one'}",
+                             f"checkpoint.resume={step_4}"]))
     assert sorted(one.losses) == list(range(5, STEPS + 1))
     # The same windows per step (the data position is global); only the order of gradient sums
     # differs between 2 ranks and 2 accumulated micro-batches.
     for step, loss in one.losses.items():
         assert loss == pytest.approx(two[step], rel=1e-4), step
+    # train.val_batches counts batches over all ranks: 1 and 2 processes validate on the same ones.
+    two_val = {r["step"]: r["val_loss"] for r in read_records(tmp_path / "two") if "val_loss" in r}
+    assert sorted(two_val) == [4, 8] and sorted(one.val_losses) == [8]
+    assert one.val_losses[8] == pytest.approx(two_val[8], rel=1e-4)

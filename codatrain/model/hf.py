@@ -188,16 +188,22 @@ def save_hf(
     # The shard count is known only now, so files get their final names at the end.
     for stale in [out / WEIGHTS_NAME, out / INDEX_NAME, *out.glob("model-*-of-*.safetensors")]:
         stale.unlink(missing_ok=True)
-    weight_map = {}
+    weight_map, finals = {}, []
     for i, (path, names) in enumerate(written, start=1):
         final = WEIGHTS_NAME if len(written) == 1 else f"model-{i:05d}-of-{len(written):05d}.safetensors"
         path.rename(out / final)
         weight_map.update(dict.fromkeys(names, final))
+        finals.append(out / final)
     if len(written) > 1:
         index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
         (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     hf_config = config_to_hf(cfg, seen_dtype or torch.float32)
     (out / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2) + "\n")
+    # safetensors creates its files mode 0600; give them the mode open() gave config.json (the
+    # umask's), as every other output has.
+    mode = (out / CONFIG_NAME).stat().st_mode & 0o777
+    for final in finals:
+        os.chmod(final, mode)
 
 
 def _head(items: list[str], n: int, sep: str) -> str:

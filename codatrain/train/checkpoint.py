@@ -8,7 +8,8 @@ A checkpoint is a directory `<run_dir>/checkpoints/step_<n>/`:
     rank_<r:05d>.json                              per-rank state: data loaders, RNG
     checkpoint.json                                the manifest, written last: step, world size,
                                                    model config, LR schedule, optimizer
-                                                   hyperparameters, the size of every file
+                                                   hyperparameters, the size and blake2b
+                                                   checksum of every file
 
 Tensors are stored under canonical names and in canonical layouts (those of the eager model)
 whichever block implementation trained them, so block=eager and block=coda resume each other's
@@ -20,8 +21,15 @@ Resuming restores the optimizer's hyperparameters and the LR schedule from the c
 torch's own optimizer state dicts do), so changed `optim.*` values take effect only in a fresh run.
 
 A save is atomic (codatrain/train/checkpointer.py): every rank writes into `.tmp-step_<n>/`, then,
-after a barrier, rank 0 writes the manifest and renames the directory. A crash mid-save leaves only
-the temporary directory, which `resume=auto` ignores and the next save removes.
+once every rank has reported its files, rank 0 writes the manifest and renames the directory. A
+crash mid-save leaves only the temporary directory, which `resume=auto` ignores and the next save
+removes; a failed save (a full disk) removes it at once.
+
+Checksums: every rank hashes the bytes of its own files as it writes them (no second read), and
+rank 0 records them in the manifest. Resuming, exporting and `init_from` read every file once more
+to check them, so flipped bits are found before they are trained on. Readers take only the files
+the manifest lists (DCP's own reader would take every *.safetensors in the directory). Version 1
+manifests, which hold sizes only, are still read, with a warning that they cannot be verified.
 
 Resuming on another number of processes: tensors reshard. Per-rank state (data loaders, RNG)
 is restored rank by rank when the world size is unchanged. Otherwise a state that was the same on
@@ -34,13 +42,17 @@ starts from its beginning (data may repeat) or that RNG keeps its seeded state.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import random
 import re
 import shutil
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -50,6 +62,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError, safe_open
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -60,13 +74,14 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from codatrain.model.config import LlamaConfig
 from codatrain.model.layout import permute_rows
-from codatrain.train.distributed import barrier
 from codatrain.train.parallelize import strip_wrapper_prefixes
 
 CHECKPOINTS_DIR = "checkpoints"
 MANIFEST = "checkpoint.json"
 FORMAT = "codatrain-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2 added a checksum per file; version 1 checkpoints are still read
+READABLE_VERSIONS = (1, 2)
+CHECKSUM = "blake2b"
 TMP_PREFIX = ".tmp-"
 _MANIFEST_KEYS = ("step", "world_size", "model_config", "scheduler", "optimizer_param_groups", "files")
 _STEP_DIR = re.compile(r"step_(\d+)")
@@ -92,21 +107,91 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def _dcp_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+class _HashingStream:
+    """A file being written, hashing its bytes on their way to disk."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw, self.hash, self.size = raw, hashlib.blake2b(), 0
+
+    def write(self, data: Any) -> int:
+        # Hash on another thread while this one writes (both release the GIL): where a core is
+        # free, the checksum overlaps the write instead of adding to it.
+        hashing = threading.Thread(target=self.hash.update, args=(data,))
+        hashing.start()
+        try:
+            written = self.raw.write(data)
+        finally:
+            hashing.join()
+        self.size += memoryview(data).nbytes
+        return written
+
+    def record(self) -> dict[str, Any]:
+        return {"bytes": self.size, CHECKSUM: self.hash.hexdigest()}
+
+    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, close: the file's own
+        return getattr(self.raw, name)
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's local file system, recording the size and checksum of every file it writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: dict[str, dict[str, Any]] = {}
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        with super().create_stream(path, mode) as raw:
+            stream = _HashingStream(raw)
+            yield stream
+        self.written[Path(path).name] = stream.record()
+
+
+class _ListedFileSystem(FileSystem):
+    """DCP's local file system, showing a reader only the files a manifest lists."""
+
+    def __init__(self, files: list[str]) -> None:
+        super().__init__()
+        self.files = files
+
+    def ls(self, path: str | os.PathLike) -> list[str]:
+        return [str(Path(path) / name) for name in self.files]
+
+
+def _dcp_save(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, dict[str, Any]]:
+    """Write this rank's tensors; returns the size and checksum of each file it wrote."""
     # Each rank writes its own safetensors file, with its shards' offsets in the header.
     writer = dcp.HuggingFaceStorageWriter(str(path), save_distributed=True)
+    writer.fs = file_system = _HashingFileSystem()
     with warnings.catch_warnings():
         # DCP warns on every call without a process group, the intended single-process case.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(tensors, storage_writer=writer, no_dist=not dist.is_initialized())
+    return file_system.written
 
 
-def dcp_load(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """Fill `tensors` in place (each rank its shards) from the checkpoint at `path`."""
+def checkpoint_reader(path: Path, manifest: Mapping[str, Any]) -> dcp.HuggingFaceStorageReader:
+    """DCP's reader of the tensor files that `manifest` (from inspect_checkpoint) lists, and no
+    others: a stray .safetensors file in the directory (an HF export, say) is not read."""
     reader = dcp.HuggingFaceStorageReader(str(path))
+    reader.fs = _ListedFileSystem(sorted(n for n in manifest["files"] if n.endswith(".safetensors")))
+    return reader
+
+
+def dcp_load(tensors: dict[str, torch.Tensor], path: Path, manifest: Mapping[str, Any]) -> None:
+    """Fill `tensors` in place (each rank its shards) from the checkpoint at `path`."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(tensors, storage_reader=reader, no_dist=not dist.is_initialized())
+        dcp.load(tensors, storage_reader=checkpoint_reader(path, manifest), no_dist=not dist.is_initialized())
+
+
+def _save_error_message(error: BaseException) -> str:
+    """One line for an error raised while saving: DCP wraps each rank's error in a
+    CheckpointException whose text is a set of tracebacks."""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, (cause, _) = next(iter(sorted(error.failures.items())))
+        return f"{type(cause).__name__} on rank {rank}: {cause}"
+    return f"{type(error).__name__}: {error}"
 
 
 # ---- native ↔ canonical --------------------------------------------------------------------------
@@ -178,9 +263,23 @@ def canonical_state(model: nn.Module, optimizer: torch.optim.Optimizer,
     return tensors, groups
 
 
-def load_canonical_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                         mapping: CanonicalMapping, param_groups: list[dict[str, Any]]) -> None:
+def _load_entries(path: Path, manifest: Mapping[str, Any], entries: list[_Entry],
+                  mapping: CanonicalMapping) -> None:
+    """Read the checkpoint's tensors into the state dicts that `entries` point into."""
+    # DCP loads in place: straight into the live tensor where layouts agree, else into a buffer.
+    template = {
+        fqn: container[key] if not shaped or mapping.is_identity(native) else torch.empty_like(container[key])
+        for fqn, container, key, native, shaped in entries
+    }
+    dcp_load(template, path, manifest)
+    for fqn, container, key, native, shaped in entries:
+        container[key] = mapping.from_canonical(native, template[fqn]) if shaped else template[fqn]
+
+
+def load_canonical_state(path: Path, manifest: Mapping[str, Any], model: nn.Module,
+                         optimizer: torch.optim.Optimizer, mapping: CanonicalMapping) -> None:
     """Load model and optimizer from a checkpoint directory, resharding to this run's layout."""
+    param_groups = manifest["optimizer_param_groups"]
     model_state = get_model_state_dict(model)
     # For an optimizer that has not stepped yet this creates its state, as a template to load into.
     optim_state = get_optimizer_state_dict(model, optimizer)
@@ -189,21 +288,30 @@ def load_canonical_state(path: Path, model: nn.Module, optimizer: torch.optim.Op
             f"{path}: the optimizer has {len(optim_state['param_groups'])} parameter groups, the checkpoint "
             f"{len(param_groups)}"
         )
-    entries = _entries(model_state, optim_state, mapping)
-    # DCP loads in place: straight into the live tensor where layouts agree, else into a buffer.
-    template = {
-        fqn: container[key] if not shaped or mapping.is_identity(native) else torch.empty_like(container[key])
-        for fqn, container, key, native, shaped in entries
-    }
-    dcp_load(template, path)
-    for fqn, container, key, native, shaped in entries:
-        container[key] = mapping.from_canonical(native, template[fqn]) if shaped else template[fqn]
+    _load_entries(path, manifest, _entries(model_state, optim_state, mapping), mapping)
     set_model_state_dict(model, model_state)
     optim_state["param_groups"] = [
         {**saved, "params": current["params"]}
         for saved, current in zip(param_groups, optim_state["param_groups"], strict=True)
     ]
     set_optimizer_state_dict(model, optimizer, optim_state)
+
+
+def load_model_weights(path: Path, manifest: Mapping[str, Any], model_cfg: LlamaConfig,
+                       model: nn.Module) -> None:
+    """Only the model's tensors of a checkpoint (`init_from`), resharded to this run's layout."""
+    _check_model_config(path, manifest, model_cfg)
+    mapping = CanonicalMapping(model)
+    model_state = get_model_state_dict(model)
+    _load_entries(path, manifest, _entries(model_state, {"state": {}}, mapping), mapping)
+    set_model_state_dict(model, model_state)
+
+
+def _check_model_config(path: Path, manifest: Mapping[str, Any], model_cfg: LlamaConfig) -> None:
+    try:
+        model_cfg.check_architecture(LlamaConfig(**manifest["model_config"]), f"checkpoint {path}")
+    except ValueError as error:
+        raise CheckpointError(str(error)) from None
 
 
 def full_canonical_tensors(model: nn.Module, mapping: CanonicalMapping) -> Iterator[tuple[str, torch.Tensor]]:
@@ -216,12 +324,23 @@ def full_canonical_tensors(model: nn.Module, mapping: CanonicalMapping) -> Itera
 
 
 # ---- files ---------------------------------------------------------------------------------------
-def _write_json(path: Path, obj: Any) -> None:
+def _write_json(path: Path, obj: Any) -> dict[str, Any]:
+    """Write `obj` as JSON; returns the file's size and checksum."""
+    data = json.dumps(obj).encode()
     # fsync: the rename that publishes a checkpoint must not overtake its contents on a crash.
-    with open(path, "w") as f:
-        json.dump(obj, f)
+    with open(path, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    return {"bytes": len(data), CHECKSUM: hashlib.blake2b(data).hexdigest()}
+
+
+def _file_checksum(path: Path) -> str:
+    digest = hashlib.blake2b()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _rank_file(rank: int) -> str:
@@ -240,12 +359,14 @@ def replace_dir(tmp: Path, final: Path) -> None:
         tmp.rename(final)
 
 
-def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+def inspect_checkpoint(path: str | os.PathLike, verify: bool = True,
+                       log: Log | None = None) -> dict[str, Any]:
     """The manifest of a complete checkpoint; a CheckpointError says what is wrong otherwise.
 
     Complete means: the manifest parses; every file it lists exists with the recorded size; the
-    safetensors headers and per-rank JSON files parse. Flipped bits inside tensor data are not
-    detected (that would mean reading the whole checkpoint).
+    safetensors headers and per-rank JSON files parse; and, with `verify`, every file's bytes match
+    the checksum recorded when it was written (this reads the whole checkpoint). A version 1
+    checkpoint has no checksums: `log` (default: a Python warning) says it cannot be verified.
     """
     path = Path(path)
     if not path.is_dir():
@@ -256,8 +377,8 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         manifest = json.loads((path / MANIFEST).read_text())
     except ValueError as error:
         raise CheckpointError(f"{path}: {MANIFEST} is not valid JSON ({error})") from None
-    if not isinstance(manifest, dict) or (manifest.get("format"), manifest.get("version")) != (
-        FORMAT, FORMAT_VERSION
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or (
+        manifest.get("version") not in READABLE_VERSIONS
     ):
         raise CheckpointError(f"{path}: {MANIFEST} is not a {FORMAT} version {FORMAT_VERSION} manifest")
     missing = [key for key in _MANIFEST_KEYS if key not in manifest]
@@ -267,12 +388,16 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     expected = {_rank_file(r) for r in range(world_size)}
     if not expected <= files.keys() or not any(name.endswith(".safetensors") for name in files):
         raise CheckpointError(f"{path}: {MANIFEST} does not list every rank's files")
-    for name, size in files.items():
+    # Version 1 recorded each file's size only.
+    records = {name: {"bytes": r} if manifest["version"] == 1 else r for name, r in files.items()}
+    for name, record in records.items():
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"{path}: {name} is missing")
-        if file.stat().st_size != size:
-            raise CheckpointError(f"{path}: {name} has {file.stat().st_size} bytes, {size} were written")
+        if file.stat().st_size != record["bytes"]:
+            raise CheckpointError(
+                f"{path}: {name} has {file.stat().st_size} bytes, {record['bytes']} were written"
+            )
         try:
             if name.endswith(".safetensors"):
                 with safe_open(str(file), framework="pt"):
@@ -281,6 +406,18 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
                 json.loads(file.read_text())
         except (SafetensorError, ValueError) as error:
             raise CheckpointError(f"{path}: {name} is corrupted ({error})") from None
+    if verify and manifest["version"] == 1:
+        message = f"{path} was written without checksums (a version 1 checkpoint): it cannot be verified"
+        log(f"warning: {message}") if log else warnings.warn(message, stacklevel=2)
+    elif verify:
+        names = sorted(records)
+        # hashlib releases the GIL: the files of a multi-rank checkpoint are hashed in parallel.
+        with ThreadPoolExecutor(max_workers=min(8, len(names))) as pool:
+            checksums = list(pool.map(lambda name: _file_checksum(path / name), names))
+        for name, checksum in zip(names, checksums, strict=True):
+            if checksum != records[name][CHECKSUM]:
+                raise CheckpointError(f"{path}: {name} is corrupted (its {CHECKSUM} checksum differs from "
+                                      "the one recorded when it was written)")
     return manifest
 
 
@@ -295,15 +432,23 @@ def checkpoint_dirs(root: str | os.PathLike) -> list[tuple[int, Path]]:
 
 
 def latest_checkpoint(root: str | os.PathLike, log: Log) -> Path | None:
-    """The newest complete checkpoint under `root`; incomplete or corrupted ones are skipped with a
-    warning."""
+    """The newest complete and verified checkpoint under `root`; incomplete or corrupted ones are
+    skipped with a warning. A CheckpointError naming them when there are checkpoints but none is
+    usable: starting again from step 0 would overwrite them and mix two runs in one directory."""
+    broken = []
     for _, path in checkpoint_dirs(root):
         try:
-            inspect_checkpoint(path)
+            inspect_checkpoint(path, log=log)
         except CheckpointError as error:
             log(f"warning: skipping checkpoint: {error}")
+            broken.append(str(error))
             continue
         return path
+    if broken:
+        raise CheckpointError(
+            f"checkpoint.resume=auto found no usable checkpoint in {root}: {'; '.join(broken)}. Resume "
+            "one by name with checkpoint.resume=<path>, or start a new run with another train.run_dir"
+        )
     return None
 
 
@@ -337,24 +482,39 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 def write_checkpoint(directory: Path, step: int, model_cfg: LlamaConfig, model: nn.Module,
                      optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
                      loaders: Mapping[str, Stateful], mapping: CanonicalMapping) -> None:
-    """Every rank writes its tensors and state into the existing `directory`; after a barrier,
-    rank 0 writes the manifest, last."""
+    """Every rank writes its tensors and state into the existing `directory`; then rank 0 writes
+    the manifest, last, with every rank's file sizes and checksums. An error on any rank is
+    raised on every rank (as a CheckpointError), so none waits for the others forever."""
     rank = process_rank()
     tensors, param_groups = canonical_state(model, optimizer, mapping)
-    _dcp_save(tensors, directory)
-    loader_states = {name: loader.state_dict() for name, loader in loaders.items()}
+    written: dict[str, dict[str, Any]] = {}
+    error: BaseException | None = None
     try:
-        _write_json(directory / _rank_file(rank), {"loaders": loader_states, "rng": _rng_state()})
-    except TypeError as error:
-        raise TypeError(f"the data-loader state must be JSON-serializable: {error}") from None
-    barrier()
+        written = _dcp_save(tensors, directory)  # collective: an error on one rank is raised on all
+        loader_states = {name: loader.state_dict() for name, loader in loaders.items()}
+        try:
+            written[_rank_file(rank)] = _write_json(directory / _rank_file(rank),
+                                                    {"loaders": loader_states, "rng": _rng_state()})
+        except TypeError as type_error:
+            raise TypeError(f"the data-loader state must be JSON-serializable: {type_error}") from None
+    except (Exception, CheckpointException) as save_error:
+        error = save_error
+    outcome = (written, None if error is None else _save_error_message(error))
+    outcomes: list[Any] = [outcome]
+    if dist.is_initialized():  # also the barrier before the manifest
+        outcomes = [None] * _world_size()
+        dist.all_gather_object(outcomes, outcome)
+    errors = [message for _, message in outcomes if message is not None]
+    if errors:
+        raise CheckpointError(errors[0]) from error
     if rank == 0:
+        files = {name: record for rank_written, _ in outcomes for name, record in rank_written.items()}
         manifest = {
             "format": FORMAT, "version": FORMAT_VERSION, "step": step, "world_size": _world_size(),
             "model_config": dataclasses.asdict(model_cfg),
             "scheduler": scheduler.state_dict(),
             "optimizer_param_groups": param_groups,
-            "files": {p.name: p.stat().st_size for p in sorted(directory.iterdir())},
+            "files": dict(sorted(files.items())),
         }
         _write_json(directory / MANIFEST, manifest)
 
@@ -363,12 +523,9 @@ def load_checkpoint(path: Path, model_cfg: LlamaConfig, model: nn.Module, optimi
                     scheduler: torch.optim.lr_scheduler.LRScheduler, loaders: Mapping[str, Stateful],
                     mapping: CanonicalMapping, log: Log) -> int:
     """Load everything from a checkpoint directory; returns its step."""
-    manifest = inspect_checkpoint(path)
-    try:
-        model_cfg.check_architecture(LlamaConfig(**manifest["model_config"]), f"checkpoint {path}")
-    except ValueError as error:
-        raise CheckpointError(str(error)) from None
-    load_canonical_state(path, model, optimizer, mapping, manifest["optimizer_param_groups"])
+    manifest = inspect_checkpoint(path, verify=False)  # verified when it was chosen
+    _check_model_config(path, manifest, model_cfg)
+    load_canonical_state(path, manifest, model, optimizer, mapping)
     scheduler.load_state_dict(manifest["scheduler"])
     _load_rank_state(path, manifest["world_size"], loaders, log)
     log(f"resumed from {path} at step {manifest['step']}")

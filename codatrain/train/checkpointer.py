@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from codatrain.config import CheckpointConfig
@@ -34,8 +33,8 @@ from codatrain.train.checkpoint import (
     replace_dir,
     write_checkpoint,
 )
-from codatrain.train.distributed import barrier
-from codatrain.train.hf_io import load_hf_weights
+from codatrain.train.distributed import barrier, decide_on_rank0, first_error_of_any_rank
+from codatrain.train.hf_io import is_checkpoint, load_init_weights
 
 HF_EXPORTS_DIR = "hf"
 
@@ -54,19 +53,26 @@ class Checkpointer:
         self.model, self.optimizer, self.scheduler, self.loaders = model, optimizer, scheduler, loaders
         self.log = log
         self.mapping = CanonicalMapping(model)
+        # Checkpoints whose checksums rank 0 has checked or written in this process: pruning counts
+        # only verified ones and reads each at most once.
+        self.verified: set[Path] = set()
 
     # ---- restore ------------------------------------------------------------------------------
     def restore(self) -> int:
         """Resume per `checkpoint.resume`, else start from `init_from` weights if set; returns the
         step training continues from. A resumable checkpoint takes precedence over `init_from`
         (an interrupted finetuning run continues from its own checkpoint)."""
-        path = self._rank0_decides(self._resume_path)
+        path = decide_on_rank0(self._resume_path, CheckpointError)
         if path is not None:
             if self.cfg.init_from:
                 self.log(f"checkpoint.init_from={self.cfg.init_from} ignored: resuming from {path}")
             return self.load(Path(path))
         if self.cfg.init_from:
-            load_hf_weights(self.model, self.cfg.init_from, self.model_cfg, self.log)
+            manifest = None
+            if is_checkpoint(self.cfg.init_from):  # rank 0 checks it once, for every rank
+                manifest = decide_on_rank0(lambda: inspect_checkpoint(self.cfg.init_from, log=self.log),
+                                           CheckpointError)
+            load_init_weights(self.model, self.cfg.init_from, self.model_cfg, self.log, manifest)
         return 0
 
     def _resume_path(self) -> str | None:
@@ -81,27 +87,13 @@ class Checkpointer:
             return None
         if resume == "auto":
             path = latest_checkpoint(self.root, self.log)
-            return None if path is None else str(path)
-        inspect_checkpoint(resume)  # a checkpoint named explicitly must be complete
-        return resume
-
-    @staticmethod
-    def _rank0_decides(decide: Callable[[], str | None]) -> str | None:
-        """Run `decide` on rank 0 only (one scan of the file system, one set of warnings) and give
-        its answer, or its error, to every rank (so no rank waits for an answer that never comes)."""
-        answer: list[str | None] = [None, None]  # result, error
-        if process_rank() == 0:
-            try:
-                answer[0] = decide()
-            except CheckpointError as error:
-                answer[1] = str(error)
-            except Exception as error:  # an OSError, say: the other ranks must not hang
-                answer[1] = f"{type(error).__name__}: {error}"
-        if dist.is_initialized():
-            dist.broadcast_object_list(answer, src=0)
-        if answer[1] is not None:
-            raise CheckpointError(answer[1])
-        return answer[0]
+        else:
+            path = Path(resume)
+            inspect_checkpoint(path, log=self.log)  # a checkpoint named explicitly must be complete
+        if path is None:
+            return None
+        self.verified.add(path)
+        return str(path)
 
     def load(self, path: Path) -> int:
         """Load everything from a checkpoint directory; returns its step."""
@@ -118,40 +110,61 @@ class Checkpointer:
             self.export_hf(step)
 
     def save(self, step: int) -> Path:
-        """Write `<run_dir>/checkpoints/step_<step>` atomically; keep the newest `keep_last`."""
+        """Write `<run_dir>/checkpoints/step_<step>` atomically; keep the newest `keep_last`.
+
+        A failed save (a full disk, say) removes its partial directory and raises a CheckpointError
+        on every rank; the checkpoints saved before stay as they were."""
         final = self.root / f"step_{step}"
         tmp = self.root / f"{TMP_PREFIX}{final.name}"
-        rank = process_rank()
-        if rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            for stale in self.root.glob(f"{TMP_PREFIX}*"):  # left by a crash during an earlier save
-                shutil.rmtree(stale)
-            tmp.mkdir()
-        barrier()
-        write_checkpoint(tmp, step, self.model_cfg, self.model, self.optimizer, self.scheduler, self.loaders,
-                         self.mapping)
-        if rank == 0:
-            replace_dir(tmp, final)
+        decide_on_rank0(lambda: self._prepare(tmp), CheckpointError)
+        error: Exception | None = None
+        try:
+            write_checkpoint(tmp, step, self.model_cfg, self.model, self.optimizer, self.scheduler,
+                             self.loaders, self.mapping)
+            if process_rank() == 0:
+                replace_dir(tmp, final)
+        except (CheckpointError, OSError) as save_error:
+            error = save_error
+        message = first_error_of_any_rank(None if error is None else str(error))
+        if message is not None:
+            if process_rank() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # a partial save must not keep the disk full
+            raise CheckpointError(
+                f"saving {final} failed ({message}); removed the partial {tmp.name}, earlier checkpoints "
+                "are kept"
+            ) from error
+        if process_rank() == 0:
+            self.verified.add(final)  # its checksums were computed from the bytes written
             self._prune(keep=final)
             self.log(f"saved checkpoint {final}")
         barrier()
         return final
 
+    def _prepare(self, tmp: Path) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        for stale in self.root.glob(f"{TMP_PREFIX}*"):  # left by a crash during an earlier save
+            shutil.rmtree(stale)
+        tmp.mkdir()
+
     def _prune(self, keep: Path) -> None:
-        """Delete complete checkpoints beyond the newest `keep_last` (never `keep`, the one just
-        written). Incomplete ones are left for inspection; they never count as resumable."""
+        """Delete verified checkpoints beyond the newest `keep_last` (never `keep`, the one just
+        written). Incomplete or corrupted ones are left for inspection and never counted: a broken
+        newest checkpoint does not push good ones out."""
         if self.cfg.keep_last <= 0:
             return
-        complete = []
+        good = []
         for _, path in checkpoint_dirs(self.root):
-            try:
-                inspect_checkpoint(path)
-            except CheckpointError:
-                continue
-            complete.append(path)
-        for path in complete[self.cfg.keep_last:]:
+            if path not in self.verified:
+                try:
+                    inspect_checkpoint(path, log=self.log)
+                except CheckpointError:
+                    continue
+                self.verified.add(path)
+            good.append(path)
+        for path in good[self.cfg.keep_last:]:
             if path != keep:
                 shutil.rmtree(path)
+                self.verified.discard(path)
 
     def export_hf(self, step: int) -> Path:
         """Write the current weights as an HF Llama directory `<run_dir>/hf/step_<step>`."""

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -54,13 +58,33 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
+def decide_on_rank0(decide: Callable[[], T], error: type[Exception]) -> T:
+    """Run `decide` on rank 0 only (one scan of the file system, one set of messages) and give its
+    answer to every rank. If it raises, every rank raises `error` with its message, so no rank
+    waits for an answer that never comes."""
+    answer: list = [None, None]  # result, error message
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            answer[0] = decide()
+        except error as raised:
+            answer[1] = str(raised)
+        except Exception as raised:  # an OSError, say: the other ranks must not hang
+            answer[1] = f"{type(raised).__name__}: {raised}"
     if dist.is_initialized():
-        value = value.clone()
-        dist.all_reduce(value, op=dist.ReduceOp.AVG if value.is_cuda else dist.ReduceOp.SUM)
-        if not value.is_cuda:  # gloo has no AVG
-            value /= dist.get_world_size()
-    return value
+        dist.broadcast_object_list(answer, src=0)
+    if answer[1] is not None:
+        raise error(answer[1])
+    return answer[0]
+
+
+def first_error_of_any_rank(message: str | None) -> str | None:
+    """This rank's error message or None, gathered from every rank: the first rank's error, if any
+    rank had one (every rank gets the same answer)."""
+    messages = [message]
+    if dist.is_initialized():
+        messages = [None] * dist.get_world_size()
+        dist.all_gather_object(messages, message)
+    return next((m for m in messages if m is not None), None)
 
 
 def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:

@@ -1,21 +1,45 @@
-"""Hugging Face Llama weights in and out of training: `init_from` imports into a (possibly
-FSDP2-sharded) model, and exports of a training checkpoint. The conversion itself (names, fused
-rows, config.json, safetensors files) is codatrain/model/hf.py."""
+"""Weights in and out of training: `init_from` imports HF Llama weights or a codatrain checkpoint's
+weights into a (possibly FSDP2-sharded) model, and exports of a training checkpoint as HF Llama.
+The conversion itself (names, fused rows, config.json, safetensors files) is codatrain/model/hf.py."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from codatrain.model.config import LlamaConfig
 from codatrain.model.hf import DEFAULT_MAX_SHARD_BYTES, HFCheckpoint, config_from_hf, save_hf
-from codatrain.train.checkpoint import dcp_load, inspect_checkpoint
+from codatrain.train.checkpoint import (
+    CHECKPOINTS_DIR,
+    MANIFEST,
+    checkpoint_reader,
+    dcp_load,
+    inspect_checkpoint,
+    load_model_weights,
+)
 from codatrain.train.parallelize import set_full_tensor, strip_wrapper_prefixes
+
+
+def is_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether `path` is a codatrain training checkpoint (rather than HF weights)."""
+    return (Path(path) / MANIFEST).is_file()
+
+
+@torch.no_grad()
+def load_init_weights(model: nn.Module, path: str | os.PathLike, model_cfg: LlamaConfig,
+                      log: Callable[[str], None], manifest: dict[str, Any] | None = None) -> None:
+    """`checkpoint.init_from`: the weights of a codatrain checkpoint (its `manifest`, from
+    inspect_checkpoint, which has checked it) or of HF Llama weights, into `model`."""
+    if manifest is None:
+        load_hf_weights(model, path, model_cfg, log)
+        return
+    load_model_weights(Path(path), manifest, model_cfg, model)
+    log(f"initialised weights from checkpoint {path}")
 
 
 @torch.no_grad()
@@ -36,9 +60,10 @@ def load_hf_weights(model: nn.Module, path: str | os.PathLike, model_cfg: LlamaC
     log(f"initialised weights from {path}{tied}")
 
 
-def _checkpoint_model_tensors(path: Path, group_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+def _checkpoint_model_tensors(path: Path, manifest: dict[str, Any],
+                              group_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
     """The canonical model tensors of a checkpoint, read in groups of about `group_bytes`."""
-    metadata = dcp.HuggingFaceStorageReader(str(path)).read_metadata()
+    metadata = checkpoint_reader(path, manifest).read_metadata()
     group: dict[str, torch.Tensor] = {}
     size = 0
     names = [k for k in metadata.state_dict_metadata if k.startswith("model.")]
@@ -47,7 +72,7 @@ def _checkpoint_model_tensors(path: Path, group_bytes: int) -> Iterator[tuple[st
         group[fqn] = torch.empty(meta.size, dtype=meta.properties.dtype)
         size += group[fqn].numel() * group[fqn].element_size()
         if size >= group_bytes or i == len(names) - 1:
-            dcp_load(group, path)
+            dcp_load(group, path, manifest)
             for key, tensor in group.items():
                 yield key.removeprefix("model."), tensor
             group, size = {}, 0
@@ -56,9 +81,26 @@ def _checkpoint_model_tensors(path: Path, group_bytes: int) -> Iterator[tuple[st
 def export_checkpoint_to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
                             dtype: torch.dtype | None = None,
                             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> LlamaConfig:
-    """Write a training checkpoint's weights as an HF Llama directory (single process)."""
+    """Write a training checkpoint's weights as an HF Llama directory (single process), after
+    checking the checkpoint's checksums and that `out_dir` is a place for it."""
+    check_export_path(checkpoint, out_dir)
     manifest = inspect_checkpoint(checkpoint)
     cfg = LlamaConfig(**manifest["model_config"])
-    tensors = _checkpoint_model_tensors(Path(checkpoint), group_bytes=1 << 30)
+    tensors = _checkpoint_model_tensors(Path(checkpoint), manifest, group_bytes=1 << 30)
     save_hf(out_dir, cfg, tensors, dtype=dtype, max_shard_bytes=max_shard_bytes)
     return cfg
+
+
+def check_export_path(checkpoint: str | os.PathLike, out_dir: str | os.PathLike) -> None:
+    """ValueError for an export directory that is a file, or inside (or equal to) a checkpoint or a
+    run's checkpoints folder: its weights would sit among a checkpoint's files."""
+    out = Path(out_dir).resolve()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out_dir} is a file; the export needs a directory")
+    source = Path(checkpoint).resolve()
+    for folder in (out, *out.parents):
+        if folder == source or (folder / MANIFEST).is_file() or (
+            folder == source.parent and folder.name == CHECKPOINTS_DIR
+        ):
+            raise ValueError(f"{out_dir} is inside the checkpoint folder {folder}; export to a directory "
+                             "outside the run's checkpoints")

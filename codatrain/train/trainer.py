@@ -21,7 +21,6 @@ from codatrain.train.checkpoint import CHECKPOINTS_DIR, checkpoint_dirs
 from codatrain.train.checkpointer import Checkpointer
 from codatrain.train.distributed import (
     DistInfo,
-    all_reduce_mean,
     all_reduce_sum,
     barrier,
     init_distributed,
@@ -46,6 +45,7 @@ from codatrain.train.parallelize import (
     reshard_after_eval,
 )
 from codatrain.train.profiling import StepProfiler
+from codatrain.train.run_lock import RunDirLock
 
 
 class NonFiniteError(RuntimeError):
@@ -177,14 +177,21 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over the first `val_batches` batches of the held-out data (the same each time)."""
-        total, count = torch.zeros((), device=self.dist.device), 0
-        for batch in itertools.islice(self.val_data, self.run.train.val_batches):
+        """Mean loss per target token over the first `val_batches` batches of the held-out data,
+        counted over all ranks together: the same batches each time, whatever the number of
+        processes. Rank r takes batches r, r + world_size, ... (the loader's split); every rank runs
+        the same number of forwards (FSDP2 gathers collectively), and one past the last batch leaves
+        its loss out."""
+        wanted, world_size = self.run.train.val_batches, self.dist.world_size
+        loss_sum, targets = torch.zeros((), device=self.dist.device), torch.zeros((), device=self.dist.device)
+        for i, batch in enumerate(itertools.islice(self.val_data, math.ceil(wanted / world_size))):
             with self._autocast():
-                total += self.model(batch.inputs, batch.targets, doc_ids=batch.doc_ids)
-            count += 1
+                loss = self.model(batch.inputs, batch.targets, doc_ids=batch.doc_ids, reduction="sum")
+            if i * world_size + self.dist.rank < wanted:
+                loss_sum += loss
+                targets += (batch.targets != IGNORE_INDEX).sum()
         reshard_after_eval(self.model)
-        return all_reduce_mean(total / count).item()
+        return (all_reduce_sum(loss_sum) / all_reduce_sum(targets).clamp(min=1)).item()
 
     def validation_due(self) -> bool:
         every, steps = self.run.train.val_every, self.run.train.steps
@@ -320,13 +327,15 @@ def train(cfg: DictConfig) -> TrainResult:
     """Run a training job from a composed config (see configs/train.yaml)."""
     run = validate(cfg)
     dist_info = init_distributed(run.train.device)
-    trainer = None
     try:
-        trainer = Trainer(run, dist_info)
-        result = trainer.fit()
-        barrier()  # no rank tears the process group down while another still talks to it
+        # One job per run directory, from before anything is read or written there.
+        with RunDirLock(run.train.run_dir, dist_info.is_main):
+            trainer = Trainer(run, dist_info)
+            try:
+                result = trainer.fit()
+                barrier()  # no rank tears the process group down while another still talks to it
+            finally:
+                trainer.close()
         return result
     finally:
-        if trainer is not None:
-            trainer.close()
         shutdown_distributed()

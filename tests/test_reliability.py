@@ -1,0 +1,224 @@
+"""Faults around checkpoints and run directories (issue 20): flipped bits, exports into a checkpoint,
+only broken checkpoints, file-system errors, a second job on one run dir, file modes, and
+validation that does not depend on the number of processes."""
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_checkpoint import CFG, Run, assert_same, flip_bytes
+
+from codatrain.config import CheckpointConfig
+from codatrain.model import Llama
+from codatrain.model.hf import CONFIG_NAME, WEIGHTS_NAME, save_hf
+from codatrain.train import checkpoint
+from codatrain.train.checkpoint import CheckpointError, inspect_checkpoint
+from codatrain.train.checkpointer import Checkpointer
+from codatrain.train.hf_io import export_checkpoint_to_hf, load_hf_weights
+from codatrain.train.run_lock import RunDirError, RunDirLock
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def saved_run(tmp_path, steps=(1, 2), **ckpt) -> Run:
+    run = Run(tmp_path, keep_last=0, **ckpt)
+    for step in steps:
+        run.step()
+        run.ckpt.save(step)
+    return run
+
+
+def shard(step_dir: Path) -> Path:
+    return next(step_dir.glob("shard-*.safetensors"))
+
+
+# ---- D2: checksums ---------------------------------------------------------------------------------
+def test_flipped_bits_are_refused_by_export_and_init_from(tmp_path):
+    run = saved_run(tmp_path, steps=(1,))
+    step_1 = tmp_path / "checkpoints/step_1"
+    # A good checkpoint initialises a fresh model with its weights (and no optimizer state).
+    fresh = Run(tmp_path / "ft", init_from=str(step_1))
+    assert fresh.ckpt.restore() == 0 and not fresh.optimizer.state
+    assert_same(fresh.model.state_dict(), run.model.state_dict())
+
+    flip_bytes(shard(step_1))
+    with pytest.raises(CheckpointError, match="step_1: shard-.* is corrupted .*checksum"):
+        export_checkpoint_to_hf(step_1, tmp_path / "hf")
+    with pytest.raises(CheckpointError, match="step_1: shard-.* is corrupted .*checksum"):
+        Run(tmp_path / "ft2", init_from=str(step_1)).ckpt.restore()
+
+
+def test_a_broken_newest_checkpoint_never_prunes_good_ones(tmp_path):
+    saved_run(tmp_path, steps=(1, 5))
+    flip_bytes(shard(tmp_path / "checkpoints/step_5"))
+    resumed = Run(tmp_path, keep_last=2)
+    assert resumed.ckpt.restore() == 1
+    resumed.step()
+    resumed.ckpt.save(2)
+    # Counted: step_2 and step_1 (good); step_5 is broken, left for inspection, and not counted.
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1", "step_2", "step_5"]
+
+
+def test_version_1_checkpoints_without_checksums_still_resume_with_a_warning(tmp_path):
+    saved_run(tmp_path, steps=(1,))
+    manifest_path = tmp_path / "checkpoints/step_1/checkpoint.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["version"] = 1
+    manifest["files"] = {name: record["bytes"] for name, record in manifest["files"].items()}
+    manifest_path.write_text(json.dumps(manifest))
+    resumed = Run(tmp_path)
+    assert resumed.ckpt.restore() == 1
+    assert any("without checksums" in line and "cannot be verified" in line for line in resumed.logs)
+
+
+def test_saving_hashes_while_writing_and_records_every_file(tmp_path):
+    saved_run(tmp_path, steps=(1,))
+    step_1 = tmp_path / "checkpoints/step_1"
+    files = inspect_checkpoint(step_1)["files"]
+    assert sorted(files) == sorted(p.name for p in step_1.iterdir() if p.name != "checkpoint.json")
+    for name, record in files.items():
+        assert record["bytes"] == (step_1 / name).stat().st_size
+        assert record["blake2b"] == checkpoint._file_checksum(step_1 / name)
+
+
+# ---- D3: exports into a checkpoint; stray files in one ---------------------------------------------
+def test_export_into_a_checkpoint_folder_is_refused(tmp_path):
+    saved_run(tmp_path, steps=(1, 2))
+    step_1 = tmp_path / "checkpoints/step_1"
+    for out in (step_1, step_1 / "hf", tmp_path / "checkpoints/step_2/hf", tmp_path / "checkpoints",
+                tmp_path / "checkpoints/hf"):
+        with pytest.raises(ValueError, match="inside the checkpoint folder"):
+            export_checkpoint_to_hf(step_1, out)
+    assert not (step_1 / WEIGHTS_NAME).exists()
+    export_checkpoint_to_hf(step_1, tmp_path / "hf")  # beside the checkpoints: fine
+
+
+def test_resume_reads_only_the_files_the_manifest_lists(tmp_path):
+    run = saved_run(tmp_path, steps=(1,))
+    expected = run.canonical()
+    step_1 = tmp_path / "checkpoints/step_1"
+    # What an export into the checkpoint's folder left there before it was refused: bf16 weights
+    # whose names (model.layers...) are checkpoint keys too.
+    save_hf(step_1, CFG, ((k, v + 1) for k, v in run.model.state_dict().items()), dtype=torch.bfloat16)
+    resumed = Run(tmp_path)
+    assert resumed.ckpt.restore() == 1
+    assert_same(resumed.canonical(), expected)
+    export_checkpoint_to_hf(step_1, tmp_path / "hf")
+    exported = Llama(CFG)
+    load_hf_weights(exported, tmp_path / "hf", CFG, print)
+    assert_same(exported.state_dict(), run.model.state_dict())
+
+
+# ---- D4: only broken checkpoints ---------------------------------------------------------------------
+def test_resume_auto_with_only_broken_checkpoints_fails_naming_them(tmp_path):
+    saved_run(tmp_path, steps=(1, 2))
+    flip_bytes(shard(tmp_path / "checkpoints/step_2"))
+    (tmp_path / "checkpoints/step_1/checkpoint.json").unlink()
+    with pytest.raises(CheckpointError) as error:
+        Run(tmp_path).ckpt.restore()
+    message = str(error.value)
+    assert "no usable checkpoint" in message and "step_1" in message and "step_2" in message
+    assert "checkpoint.resume=<path>" in message and "train.run_dir" in message
+    assert "\n" not in message
+
+
+# ---- D6: file-system faults ----------------------------------------------------------------------------
+def test_disk_full_during_a_save_removes_the_partial_folder_and_keeps_the_last_checkpoint(
+        tmp_path, monkeypatch):
+    run = saved_run(tmp_path, steps=(1,))
+
+    def disk_full(self, data):
+        self.raw.write(bytes(memoryview(data)[:100]))  # part of the file reached the disk
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    run.step()
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint._HashingStream, "write", disk_full)
+        with pytest.raises(CheckpointError) as error:
+            run.ckpt.save(2)
+    message = str(error.value)
+    assert "step_2 failed" in message and "No space left on device" in message
+    assert "removed the partial .tmp-step_2" in message and "\n" not in message
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_1"]
+    assert Run(tmp_path).ckpt.restore() == 1
+    run.ckpt.save(2)  # with room again the same run saves
+    assert inspect_checkpoint(tmp_path / "checkpoints/step_2")["step"] == 2
+
+
+def test_unusable_run_dirs_are_one_line_errors(tmp_path, monkeypatch):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    with pytest.raises(RunDirError, match="is a file, not a directory"), RunDirLock(a_file, True):
+        pass
+    with pytest.raises(RunDirError, match="cannot be written .Not a directory"), \
+            RunDirLock(a_file / "run", True):
+        pass
+
+    def read_only(self, *args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    with pytest.raises(RunDirError, match="cannot be written .Read-only file system"), \
+            RunDirLock(tmp_path / "ro", True):
+        pass
+
+
+def test_scripts_report_file_system_faults_in_one_line(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    proc = subprocess.run([sys.executable, str(REPO / "scripts/train.py"), f"train.run_dir={a_file}"],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [f"error: train.run_dir={a_file} is a file, not a directory"]
+
+    saved_run(tmp_path / "run", steps=(1,))
+    proc = subprocess.run([sys.executable, str(REPO / "scripts/export_hf.py"),
+                           str(tmp_path / "run/checkpoints/step_1"), str(a_file)],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [f"error: {a_file} is a file; the export needs a directory"]
+
+
+# ---- D8: one job per run dir ---------------------------------------------------------------------------
+def test_a_second_job_on_a_run_dir_is_refused_and_a_dead_jobs_lock_does_not_stick(tmp_path):
+    with RunDirLock(tmp_path, True):
+        with pytest.raises(RunDirError, match=rf"in use by another training job \(pid {os.getpid()} on "), \
+                RunDirLock(tmp_path, True):
+            pass
+    with RunDirLock(tmp_path, True):  # released at the end of the first
+        pass
+    # A job killed with SIGKILL while it holds the lock.
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from codatrain.train.run_lock import RunDirLock; "
+         f"lock = RunDirLock({str(tmp_path)!r}, True).__enter__(); print('locked', flush=True); "
+         "time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(RunDirError, match=f"pid {holder.pid}"), RunDirLock(tmp_path, True):
+            pass
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    with RunDirLock(tmp_path, True):
+        pass
+
+
+# ---- D9: file modes -------------------------------------------------------------------------------------
+def test_hf_exports_have_the_mode_of_other_outputs(tmp_path):
+    run = saved_run(tmp_path, steps=(1,))
+    ckpt = Checkpointer(CheckpointConfig(), tmp_path, CFG, run.model, run.optimizer, run.scheduler, {}, print)
+    live = ckpt.export_hf(1)
+    export_checkpoint_to_hf(tmp_path / "checkpoints/step_1", tmp_path / "offline", max_shard_bytes=100_000)
+    umask = os.umask(0)
+    os.umask(umask)
+    expected = 0o666 & ~umask
+    weights = [*live.glob("*.safetensors"), *(tmp_path / "offline").glob("*.safetensors")]
+    assert len(weights) > 2
+    for path in [*weights, live / CONFIG_NAME, shard(tmp_path / "checkpoints/step_1")]:
+        assert path.stat().st_mode & 0o777 == expected, path
