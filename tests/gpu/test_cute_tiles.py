@@ -14,7 +14,7 @@ pytest.importorskip("flash_attn.cute")
 
 from cute_check import DEVICE, SHAPES, check, gamma, poison, randn, rstd_of, run_both  # noqa: E402
 
-from codatrain.kernels.cute import gemm_bwd_stages, rowwise  # noqa: E402
+from codatrain.kernels.cute import backend as cute_backend  # noqa: E402
 from codatrain.kernels.stages import IGNORE_INDEX, get_backend  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -25,7 +25,7 @@ SHAPE = SHAPES[1]  # widths of the ragged shape
 
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
-    poison(monkeypatch, gemm_bwd_stages, rowwise)
+    poison(monkeypatch, cute_backend)
 
 
 @pytest.fixture(scope="module")

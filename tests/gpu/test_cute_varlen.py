@@ -89,7 +89,7 @@ def test_fa4_varlen_equals_each_document_alone(case, compiled):
 
     def alone(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Output and dqkv, each document through plain causal SDPA on its own."""
-        leaf = qkv.to(dtype).requires_grad_()
+        leaf = qkv.to(dtype).detach().requires_grad_()  # its own leaf: qkv.to(fp32) is qkv itself
         outs = torch.zeros(batch, seq, h_q, d, dtype=dtype, device=DEVICE)
         for row, cols in documents_of(doc_ids):
             q, k, v = leaf[row:row + 1, cols].split([h_q, h_kv, h_kv], dim=2)
