@@ -20,8 +20,9 @@ from codatrain.config import CheckpointConfig
 from codatrain.model import Llama, get_preset
 from codatrain.model.hf import save_hf
 from codatrain.model.layout import Canonical
-from codatrain.train import checkpoint
-from codatrain.train.checkpoint import CanonicalMapping, CheckpointError, canonical_state, inspect_checkpoint
+from codatrain.train import checkpoint_files
+from codatrain.train.canonical_state import CanonicalMapping, canonical_state
+from codatrain.train.checkpoint import CheckpointError, inspect_checkpoint
 from codatrain.train.checkpointer import Checkpointer
 from codatrain.train.hf_io import load_hf_weights
 from codatrain.train.parallelize import apply_activation_checkpointing, init_weights, strip_wrapper_prefixes
@@ -344,7 +345,7 @@ def _rank0_worker(rank: int, world_size: int, port: int, tmp: str) -> None:
         full_disk = Run(tmp / "full_disk", shard=True, rank=rank)
         with pytest.MonkeyPatch.context() as patch:
             if rank == 1:
-                patch.setattr(checkpoint._HashingStream, "write", _disk_full)
+                patch.setattr(checkpoint_files.HashingStream, "write", _disk_full)
             try:
                 full_disk.ckpt.save(3)
             except CheckpointError as error:

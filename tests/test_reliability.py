@@ -17,7 +17,7 @@ from test_checkpoint import CFG, Run, assert_same, flip_bytes
 from codatrain.config import CheckpointConfig
 from codatrain.model import Llama
 from codatrain.model.hf import CONFIG_NAME, WEIGHTS_NAME, save_hf
-from codatrain.train import checkpoint
+from codatrain.train import checkpoint_files
 from codatrain.train.checkpoint import CheckpointError, inspect_checkpoint
 from codatrain.train.checkpointer import Checkpointer
 from codatrain.train.hf_io import export_checkpoint_to_hf, load_hf_weights
@@ -84,7 +84,7 @@ def test_saving_hashes_while_writing_and_records_every_file(tmp_path):
     assert sorted(files) == sorted(p.name for p in step_1.iterdir() if p.name != "checkpoint.json")
     for name, record in files.items():
         assert record["bytes"] == (step_1 / name).stat().st_size
-        assert record["blake2b"] == checkpoint._file_checksum(step_1 / name)
+        assert record["blake2b"] == checkpoint_files.file_checksum(step_1 / name)
 
 
 # ---- D3: exports into a checkpoint; stray files in one ---------------------------------------------
@@ -139,7 +139,7 @@ def test_disk_full_during_a_save_removes_the_partial_folder_and_keeps_the_last_c
 
     run.step()
     with monkeypatch.context() as patch:
-        patch.setattr(checkpoint._HashingStream, "write", disk_full)
+        patch.setattr(checkpoint_files.HashingStream, "write", disk_full)
         with pytest.raises(CheckpointError) as error:
             run.ckpt.save(2)
     message = str(error.value)

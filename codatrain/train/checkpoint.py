@@ -42,46 +42,45 @@ starts from its beginning (data may repeat) or that RNG keeps its seeded state.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import random
 import re
 import shutil
-import threading
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError, safe_open
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from codatrain.model.config import LlamaConfig
-from codatrain.model.layout import permute_rows
-from codatrain.train.parallelize import strip_wrapper_prefixes
+from codatrain.train.canonical_state import CanonicalMapping, Entry, canonical_state, state_entries
+from codatrain.train.checkpoint_files import (
+    CHECKSUM,
+    dcp_load,
+    dcp_save,
+    file_checksum,
+    write_json,
+)
 
 CHECKPOINTS_DIR = "checkpoints"
 MANIFEST = "checkpoint.json"
 FORMAT = "codatrain-checkpoint"
 FORMAT_VERSION = 2  # 2 added a checksum per file; version 1 checkpoints are still read
 READABLE_VERSIONS = (1, 2)
-CHECKSUM = "blake2b"
 TMP_PREFIX = ".tmp-"
 _MANIFEST_KEYS = ("step", "world_size", "model_config", "scheduler", "optimizer_param_groups", "files")
 _STEP_DIR = re.compile(r"step_(\d+)")
@@ -107,84 +106,6 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-class _HashingStream:
-    """A file being written, hashing its bytes on their way to disk."""
-
-    def __init__(self, raw: Any) -> None:
-        self.raw, self.hash, self.size = raw, hashlib.blake2b(), 0
-
-    def write(self, data: Any) -> int:
-        # Hash on another thread while this one writes (both release the GIL): where a core is
-        # free, the checksum overlaps the write instead of adding to it.
-        hashing = threading.Thread(target=self.hash.update, args=(data,))
-        hashing.start()
-        try:
-            written = self.raw.write(data)
-        finally:
-            hashing.join()
-        self.size += memoryview(data).nbytes
-        return written
-
-    def record(self) -> dict[str, Any]:
-        return {"bytes": self.size, CHECKSUM: self.hash.hexdigest()}
-
-    def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, close: the file's own
-        return getattr(self.raw, name)
-
-
-class _HashingFileSystem(FileSystem):
-    """DCP's local file system, recording the size and checksum of every file it writes."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.written: dict[str, dict[str, Any]] = {}
-
-    @contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
-        with super().create_stream(path, mode) as raw:
-            stream = _HashingStream(raw)
-            yield stream
-        self.written[Path(path).name] = stream.record()
-
-
-class _ListedFileSystem(FileSystem):
-    """DCP's local file system, showing a reader only the files a manifest lists."""
-
-    def __init__(self, files: list[str]) -> None:
-        super().__init__()
-        self.files = files
-
-    def ls(self, path: str | os.PathLike) -> list[str]:
-        return [str(Path(path) / name) for name in self.files]
-
-
-def _dcp_save(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, dict[str, Any]]:
-    """Write this rank's tensors; returns the size and checksum of each file it wrote."""
-    # Each rank writes its own safetensors file, with its shards' offsets in the header.
-    writer = dcp.HuggingFaceStorageWriter(str(path), save_distributed=True)
-    writer.fs = file_system = _HashingFileSystem()
-    with warnings.catch_warnings():
-        # DCP warns on every call without a process group, the intended single-process case.
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(tensors, storage_writer=writer, no_dist=not dist.is_initialized())
-    return file_system.written
-
-
-def checkpoint_reader(path: Path, manifest: Mapping[str, Any]) -> dcp.HuggingFaceStorageReader:
-    """DCP's reader of the tensor files that `manifest` (from inspect_checkpoint) lists, and no
-    others: a stray .safetensors file in the directory (an HF export, say) is not read."""
-    reader = dcp.HuggingFaceStorageReader(str(path))
-    reader.fs = _ListedFileSystem(sorted(n for n in manifest["files"] if n.endswith(".safetensors")))
-    return reader
-
-
-def dcp_load(tensors: dict[str, torch.Tensor], path: Path, manifest: Mapping[str, Any]) -> None:
-    """Fill `tensors` in place (each rank its shards) from the checkpoint at `path`."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(tensors, storage_reader=checkpoint_reader(path, manifest), no_dist=not dist.is_initialized())
-
-
 def _save_error_message(error: BaseException) -> str:
     """One line for an error raised while saving: DCP wraps each rank's error in a
     CheckpointException whose text is a set of tracebacks."""
@@ -194,76 +115,8 @@ def _save_error_message(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-# ---- native ↔ canonical --------------------------------------------------------------------------
-def _permute_rows(tensor: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
-    if order is not None and isinstance(tensor, DTensor):
-        # Rows move across shards: gather, permute, and let each rank take its shard back.
-        full = permute_rows(tensor.full_tensor(), order)
-        return distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None)
-    return permute_rows(tensor, order)
-
-
-class CanonicalMapping:
-    """A model's layout table (`model.layout()`, codatrain/model/layout.py) applied to its possibly
-    wrapped and sharded parameters, and to optimizer state of their shapes.
-
-    Names are used without wrapper prefixes, as DCP's state-dict helpers report them.
-    """
-
-    def __init__(self, model: nn.Module) -> None:
-        layout = model.layout()  # type: ignore[operator]
-        self.canonical = {native: entry.name for native, entry in layout.items()}
-        self._to = {native: entry.inverse_order() for native, entry in layout.items()}
-        self._from = {native: entry.row_order for native, entry in layout.items()}
-        # The global shapes, also for sharded DTensors.
-        self.shapes = {strip_wrapper_prefixes(name): p.shape for name, p in model.named_parameters()}
-
-    def is_identity(self, native: str) -> bool:
-        return self._from[native] is None
-
-    def to_canonical(self, native: str, tensor: torch.Tensor) -> torch.Tensor:
-        return _permute_rows(tensor, self._to[native])
-
-    def from_canonical(self, native: str, tensor: torch.Tensor) -> torch.Tensor:
-        return _permute_rows(tensor, self._from[native])
-
-
-# (checkpoint key, dict holding the tensor, its key there, native parameter, whether the tensor has
-# the parameter's shape and so its layout)
-_Entry = tuple[str, dict[str, Any], str, str, bool]
-
-
-def _entries(model_state: dict[str, Any], optim_state: dict[str, Any],
-             mapping: CanonicalMapping) -> list[_Entry]:
-    """Every tensor of a model and optimizer state dict (from DCP's helpers) and its checkpoint key."""
-    entries = [
-        (f"model.{mapping.canonical[native]}", model_state, native, native, True)
-        for native in model_state
-        if native in mapping.canonical  # buffers are recomputed from the config, not state
-    ]
-    for native, state in optim_state["state"].items():
-        for key, value in state.items():
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"optimizer state {native}.{key} is a {type(value).__name__}, not a tensor")
-            fqn = f"optim.{mapping.canonical[native]}.{key}"
-            entries.append((fqn, state, key, native, value.shape == mapping.shapes[native]))
-    return entries
-
-
-def canonical_state(model: nn.Module, optimizer: torch.optim.Optimizer,
-                    mapping: CanonicalMapping) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
-    """The model and optimizer tensors as a flat canonical dict for DCP (sharded tensors stay
-    sharded), and the optimizer's param-group hyperparameters."""
-    optim_state = get_optimizer_state_dict(model, optimizer)
-    tensors = {
-        fqn: mapping.to_canonical(native, container[key]) if shaped else container[key]
-        for fqn, container, key, native, shaped in _entries(get_model_state_dict(model), optim_state, mapping)
-    }
-    groups = [{k: v for k, v in group.items() if k != "params"} for group in optim_state["param_groups"]]
-    return tensors, groups
-
-
-def _load_entries(path: Path, manifest: Mapping[str, Any], entries: list[_Entry],
+# ---- reading canonical state ------------------------------------------------------------------
+def _load_entries(path: Path, manifest: Mapping[str, Any], entries: list[Entry],
                   mapping: CanonicalMapping) -> None:
     """Read the checkpoint's tensors into the state dicts that `entries` point into."""
     # DCP loads in place: straight into the live tensor where layouts agree, else into a buffer.
@@ -288,7 +141,7 @@ def load_canonical_state(path: Path, manifest: Mapping[str, Any], model: nn.Modu
             f"{path}: the optimizer has {len(optim_state['param_groups'])} parameter groups, the checkpoint "
             f"{len(param_groups)}"
         )
-    _load_entries(path, manifest, _entries(model_state, optim_state, mapping), mapping)
+    _load_entries(path, manifest, state_entries(model_state, optim_state, mapping), mapping)
     set_model_state_dict(model, model_state)
     optim_state["param_groups"] = [
         {**saved, "params": current["params"]}
@@ -303,7 +156,7 @@ def load_model_weights(path: Path, manifest: Mapping[str, Any], model_cfg: Llama
     _check_model_config(path, manifest, model_cfg)
     mapping = CanonicalMapping(model)
     model_state = get_model_state_dict(model)
-    _load_entries(path, manifest, _entries(model_state, {"state": {}}, mapping), mapping)
+    _load_entries(path, manifest, state_entries(model_state, {"state": {}}, mapping), mapping)
     set_model_state_dict(model, model_state)
 
 
@@ -314,35 +167,7 @@ def _check_model_config(path: Path, manifest: Mapping[str, Any], model_cfg: Llam
         raise CheckpointError(str(error)) from None
 
 
-def full_canonical_tensors(model: nn.Module, mapping: CanonicalMapping) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every parameter as a full canonical tensor, one at a time. With FSDP2 each is gathered, so
-    every rank must consume the iterator in step."""
-    for native, tensor in get_model_state_dict(model).items():
-        if native in mapping.canonical:
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-            yield mapping.canonical[native], mapping.to_canonical(native, full)
-
-
 # ---- files ---------------------------------------------------------------------------------------
-def _write_json(path: Path, obj: Any) -> dict[str, Any]:
-    """Write `obj` as JSON; returns the file's size and checksum."""
-    data = json.dumps(obj).encode()
-    # fsync: the rename that publishes a checkpoint must not overtake its contents on a crash.
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    return {"bytes": len(data), CHECKSUM: hashlib.blake2b(data).hexdigest()}
-
-
-def _file_checksum(path: Path) -> str:
-    digest = hashlib.blake2b()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.json"
 
@@ -413,7 +238,7 @@ def inspect_checkpoint(path: str | os.PathLike, verify: bool = True,
         names = sorted(records)
         # hashlib releases the GIL: the files of a multi-rank checkpoint are hashed in parallel.
         with ThreadPoolExecutor(max_workers=min(8, len(names))) as pool:
-            checksums = list(pool.map(lambda name: _file_checksum(path / name), names))
+            checksums = list(pool.map(lambda name: file_checksum(path / name), names))
         for name, checksum in zip(names, checksums, strict=True):
             if checksum != records[name][CHECKSUM]:
                 raise CheckpointError(f"{path}: {name} is corrupted (its {CHECKSUM} checksum differs from "
@@ -490,10 +315,10 @@ def write_checkpoint(directory: Path, step: int, model_cfg: LlamaConfig, model: 
     written: dict[str, dict[str, Any]] = {}
     error: BaseException | None = None
     try:
-        written = _dcp_save(tensors, directory)  # collective: an error on one rank is raised on all
+        written = dcp_save(tensors, directory)  # collective: an error on one rank is raised on all
         loader_states = {name: loader.state_dict() for name, loader in loaders.items()}
         try:
-            written[_rank_file(rank)] = _write_json(directory / _rank_file(rank),
+            written[_rank_file(rank)] = write_json(directory / _rank_file(rank),
                                                     {"loaders": loader_states, "rng": _rng_state()})
         except TypeError as type_error:
             raise TypeError(f"the data-loader state must be JSON-serializable: {type_error}") from None
@@ -516,7 +341,7 @@ def write_checkpoint(directory: Path, step: int, model_cfg: LlamaConfig, model: 
             "optimizer_param_groups": param_groups,
             "files": dict(sorted(files.items())),
         }
-        _write_json(directory / MANIFEST, manifest)
+        write_json(directory / MANIFEST, manifest)
 
 
 def load_checkpoint(path: Path, model_cfg: LlamaConfig, model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -17,15 +17,14 @@ from torch import nn
 from codatrain.config import CheckpointConfig
 from codatrain.model.config import LlamaConfig
 from codatrain.model.hf import save_hf
+from codatrain.train.canonical_state import CanonicalMapping, full_canonical_tensors
 from codatrain.train.checkpoint import (
     CHECKPOINTS_DIR,
     TMP_PREFIX,
-    CanonicalMapping,
     CheckpointError,
     Log,
     Stateful,
     checkpoint_dirs,
-    full_canonical_tensors,
     inspect_checkpoint,
     latest_checkpoint,
     load_checkpoint,

@@ -14,14 +14,8 @@ from torch import nn
 
 from codatrain.model.config import LlamaConfig
 from codatrain.model.hf import DEFAULT_MAX_SHARD_BYTES, HFCheckpoint, config_from_hf, save_hf
-from codatrain.train.checkpoint import (
-    CHECKPOINTS_DIR,
-    MANIFEST,
-    checkpoint_reader,
-    dcp_load,
-    inspect_checkpoint,
-    load_model_weights,
-)
+from codatrain.train.checkpoint import CHECKPOINTS_DIR, MANIFEST, inspect_checkpoint, load_model_weights
+from codatrain.train.checkpoint_files import checkpoint_reader, dcp_load
 from codatrain.train.parallelize import set_full_tensor, strip_wrapper_prefixes
 
 

@@ -1,0 +1,97 @@
+"""A model's and its optimizer's state under canonical names and layouts (docs/design.md §3).
+
+`CanonicalMapping` applies the model's layout table (`model.layout()`) to its possibly wrapped and
+FSDP2-sharded parameters, and to optimizer state of the same shapes; checkpoints (checkpoint.py)
+and HF export (hf_io.py) read and write tensors through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from codatrain.model.layout import permute_rows
+from codatrain.train.parallelize import strip_wrapper_prefixes
+
+
+def _permute_rows(tensor: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    if order is not None and isinstance(tensor, DTensor):
+        # Rows move across shards: gather, permute, and let each rank take its shard back.
+        full = permute_rows(tensor.full_tensor(), order)
+        return distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None)
+    return permute_rows(tensor, order)
+
+
+class CanonicalMapping:
+    """A model's layout table (`model.layout()`, codatrain/model/layout.py) applied to its possibly
+    wrapped and sharded parameters, and to optimizer state of their shapes.
+
+    Names are used without wrapper prefixes, as DCP's state-dict helpers report them.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        layout = model.layout()  # type: ignore[operator]
+        self.canonical = {native: entry.name for native, entry in layout.items()}
+        self._to = {native: entry.inverse_order() for native, entry in layout.items()}
+        self._from = {native: entry.row_order for native, entry in layout.items()}
+        # The global shapes, also for sharded DTensors.
+        self.shapes = {strip_wrapper_prefixes(name): p.shape for name, p in model.named_parameters()}
+
+    def is_identity(self, native: str) -> bool:
+        return self._from[native] is None
+
+    def to_canonical(self, native: str, tensor: torch.Tensor) -> torch.Tensor:
+        return _permute_rows(tensor, self._to[native])
+
+    def from_canonical(self, native: str, tensor: torch.Tensor) -> torch.Tensor:
+        return _permute_rows(tensor, self._from[native])
+
+
+# (checkpoint key, dict holding the tensor, its key there, native parameter, whether the tensor has
+# the parameter's shape and so its layout)
+Entry = tuple[str, dict[str, Any], str, str, bool]
+
+
+def state_entries(model_state: dict[str, Any], optim_state: dict[str, Any],
+             mapping: CanonicalMapping) -> list[Entry]:
+    """Every tensor of a model and optimizer state dict (from DCP's helpers) and its checkpoint key."""
+    entries = [
+        (f"model.{mapping.canonical[native]}", model_state, native, native, True)
+        for native in model_state
+        if native in mapping.canonical  # buffers are recomputed from the config, not state
+    ]
+    for native, state in optim_state["state"].items():
+        for key, value in state.items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"optimizer state {native}.{key} is a {type(value).__name__}, not a tensor")
+            fqn = f"optim.{mapping.canonical[native]}.{key}"
+            entries.append((fqn, state, key, native, value.shape == mapping.shapes[native]))
+    return entries
+
+
+def canonical_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                    mapping: CanonicalMapping) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+    """The model and optimizer tensors as a flat canonical dict for DCP (sharded tensors stay
+    sharded), and the optimizer's param-group hyperparameters."""
+    optim_state = get_optimizer_state_dict(model, optimizer)
+    entries = state_entries(get_model_state_dict(model), optim_state, mapping)
+    tensors = {
+        fqn: mapping.to_canonical(native, container[key]) if shaped else container[key]
+        for fqn, container, key, native, shaped in entries
+    }
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in optim_state["param_groups"]]
+    return tensors, groups
+
+
+def full_canonical_tensors(model: nn.Module, mapping: CanonicalMapping) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter as a full canonical tensor, one at a time. With FSDP2 each is gathered, so
+    every rank must consume the iterator in step."""
+    for native, tensor in get_model_state_dict(model).items():
+        if native in mapping.canonical:
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            yield mapping.canonical[native], mapping.to_canonical(native, full)
