@@ -198,8 +198,11 @@ class Llama(nn.Module):
         else:
             positions = documents.positions.view(batch, 1, seq)  # (B, 1, T): broadcast over heads
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
-        layer_caches = [None] * len(self.layers) if cache is None else cache.layers
-        for layer, layer_cache in zip(self.layers, layer_caches, strict=True):
-            x = layer(x, cos, sin, documents, layer_cache)
+        for i, layer in enumerate(self.layers):
+            # Training calls each (possibly wrapped or compiled) block exactly as it did before caches.
+            if cache is None:
+                x = layer(x, cos, sin, documents)
+            else:
+                x = layer(x, cos, sin, documents, cache.layers[i])
         logits = self.lm_head(self.norm(x))
         return logits if targets is None else lm_loss(logits, targets, reduction)
