@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         model, torch.tensor([prompt_ids], device=args.device), args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, generator=generator, eos_id=tokenizer.eos_id,
     )
-    print(args.prompt + tokenizer.decode(tokens[0, len(prompt_ids):].tolist()))
+    print(tokenizer.decode(tokens[0].tolist()))  # decoded whole: a word tokenizer spaces the joint
     return 0
 
 

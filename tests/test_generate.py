@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from codatrain.config import load_config
-from codatrain.data.tokenizer import ByteTokenizer
+from codatrain.data.tokenizer import ByteTokenizer, load_tokenizer
 from codatrain.model import Llama, LlamaConfig
 from codatrain.model.generate import generate, next_token
 from codatrain.model.hf import save_hf
@@ -27,6 +27,16 @@ def tiny_model(seed: int = 0) -> Llama:
 
 def prompts(batch: int = 2, length: int = 5) -> torch.Tensor:
     return torch.randint(0, CFG.vocab_size, (batch, length), generator=torch.Generator().manual_seed(1))
+
+
+def save_word_tokenizer(folder: Path) -> None:
+    """A four-word tokenizer.json with an end-of-text token."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, "</s>": 3}
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    words.add_special_tokens(["</s>"])
+    words.save(str(folder / "tokenizer.json"))
 
 
 def load_script():
@@ -126,7 +136,7 @@ def test_script_on_a_training_checkpoint_and_its_hf_export(tmp_path, capsys):
     tokenizer = ByteTokenizer()
     prompt = torch.tensor([[tokenizer.bos_id, *tokenizer.encode_batch(["The "])[0].tolist()]])
     tokens = generate(model, prompt, 12, eos_id=tokenizer.eos_id)
-    assert from_checkpoint == "The " + tokenizer.decode(tokens[0, prompt.shape[1]:].tolist()) + "\n"
+    assert from_checkpoint == tokenizer.decode(tokens[0].tolist()) + "\n"
     export = tmp_path / "export"
     save_hf(export, model.cfg, model.state_dict().items())
     assert script.main([str(export), *argv]) == 0
@@ -137,5 +147,24 @@ def test_script_on_a_training_checkpoint_and_its_hf_export(tmp_path, capsys):
     first, second = capsys.readouterr().out.splitlines(keepends=True)[-2:]
     assert first == second
 
+    # A folder's own tokenizer is used unless --tokenizer names another.
+    save_word_tokenizer(export)
+    assert script.main([str(export), *argv, "--tokenizer", "byte"]) == 0
+    assert capsys.readouterr().out == from_checkpoint
+    assert script.main([str(export), "--prompt", "hello world", "--max-new-tokens", "3"]) == 0
+    words = load_tokenizer(str(export))
+    tokens = generate(model, torch.tensor([[1, 2]]), 3, eos_id=words.eos_id)  # "hello world", no BOS
+    out = capsys.readouterr().out
+    assert out == words.decode(tokens[0].tolist()) + "\n" and out.startswith("hello world")
+
     assert script.main([str(tmp_path / "missing"), *argv]) == 1
     assert "error:" in capsys.readouterr().err
+
+
+def test_tokenizers_decode_what_they_encode(tmp_path):
+    byte = ByteTokenizer()
+    ids = byte.encode_batch(["héllo"])[0].tolist()
+    assert byte.decode([byte.bos_id, *ids, byte.eos_id, 300]) == "héllo"  # delimiters and non-bytes dropped
+    save_word_tokenizer(tmp_path)
+    hf = load_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert hf.decode([*hf.encode_batch(["hello world"])[0].tolist(), hf.eos_id]) == "hello world"
