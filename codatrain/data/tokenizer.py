@@ -27,6 +27,8 @@ class Tokenizer(Protocol):
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]: ...
 
+    def decode(self, ids: list[int]) -> str: ...
+
 
 class ByteTokenizer:
     """UTF-8 bytes are ids 0..255; BOS = 256 and EOS = 257."""
@@ -38,6 +40,10 @@ class ByteTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of the byte ids; BOS, EOS and ids beyond the bytes are left out."""
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
 class HFTokenizer:
@@ -72,6 +78,9 @@ class HFTokenizer:
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         encodings = self._backend.encode_batch_fast(texts, add_special_tokens=False)
         return [np.asarray(e.ids, dtype=np.uint32) for e in encodings]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._backend.decode(ids, skip_special_tokens=True)
 
 
 def _from_file(file: Path) -> tuple[object, int | None, int | None]:

@@ -49,6 +49,40 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+class LayerCache:
+    """One layer's keys and values of the positions seen so far, in (B, H_kv, capacity, d_h)
+    buffers; `length` positions are filled."""
+
+    def __init__(self, shape: tuple[int, ...], device: torch.device | str, dtype: torch.dtype) -> None:
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)
+        self.values = torch.zeros(shape, device=device, dtype=dtype)
+        self.length = 0
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the (B, H_kv, T, d_h) keys and values of T new positions; all keys and values so far."""
+        start, self.length = self.length, self.length + k.shape[2]
+        self.keys[:, :, start:self.length] = k
+        self.values[:, :, start:self.length] = v
+        return self.keys[:, :, :self.length], self.values[:, :, :self.length]
+
+
+class KVCache:
+    """The key/value cache of incremental decoding with the eager `Llama` (`forward(tokens, cache=)`),
+    for `batch` rows of at most `capacity` positions."""
+
+    def __init__(self, cfg: LlamaConfig, batch: int, capacity: int, device: torch.device | str,
+                 dtype: torch.dtype) -> None:
+        if capacity > cfg.max_seq_len:
+            raise ValueError(f"cache capacity {capacity} exceeds model.max_seq_len={cfg.max_seq_len}")
+        shape = (batch, cfg.n_kv_heads, capacity, cfg.head_dim)
+        self.layers = [LayerCache(shape, device, dtype) for _ in range(cfg.n_layers)]
+
+    @property
+    def length(self) -> int:
+        """How many positions the cache holds (the position of the next token)."""
+        return self.layers[0].length
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -57,14 +91,23 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Documents | None = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Documents | None = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2).split(
             [self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=1
         )
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if documents is None:
+        if cache is not None:
+            # The T new queries sit at positions past..past+T-1 and see every key up to their own
+            # (is_causal would align the mask to the top left, i.e. to position 0).
+            past = cache.length
+            k, v = cache.extend(k, v)
+            query_positions = torch.arange(past, past + T, device=x.device)[:, None]
+            visible = torch.arange(past + T, device=x.device) <= query_positions  # (T, past + T)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
+        elif documents is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
             out = document_attention(q, k, v, documents)
@@ -91,9 +134,10 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Documents | None = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: Documents | None = None,
+        cache: LayerCache | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, documents)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, documents, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -112,7 +156,8 @@ class Llama(nn.Module):
     """Llama decoder. `forward(tokens)` gives logits; `forward(tokens, targets)` the mean loss over
     the targets that are not IGNORE_INDEX (`reduction="sum"`: their sum, see `lm_loss`). With
     `doc_ids` (B, T) (the data loader's `Batch.doc_ids`) attention stays within each document and
-    RoPE positions restart at every document start."""
+    RoPE positions restart at every document start. With a `KVCache` (decoding) `tokens` continue
+    the positions the cache holds, and their keys and values are appended to it."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -138,19 +183,26 @@ class Llama(nn.Module):
 
     def forward(
         self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
-        doc_ids: torch.Tensor | None = None, reduction: str = "mean",
+        doc_ids: torch.Tensor | None = None, reduction: str = "mean", cache: KVCache | None = None,
     ) -> torch.Tensor:
         batch, seq = tokens.shape
-        if seq > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {seq} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        past = 0 if cache is None else cache.length
+        if past + seq > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {past + seq} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        if cache is not None and doc_ids is not None:
+            raise ValueError("a KV cache decodes one document per row; doc_ids cannot be combined with it")
         x = self.embed_tokens(tokens)
         documents = None if doc_ids is None else documents_from_ids(doc_ids)
         if documents is None:
-            positions = torch.arange(seq, device=tokens.device)  # (T,), shared by every row
+            positions = torch.arange(past, past + seq, device=tokens.device)  # (T,), shared by every row
         else:
             positions = documents.positions.view(batch, 1, seq)  # (B, 1, T): broadcast over heads
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin, documents)
+        for i, layer in enumerate(self.layers):
+            # Training calls each (possibly wrapped or compiled) block exactly as it did before caches.
+            if cache is None:
+                x = layer(x, cos, sin, documents)
+            else:
+                x = layer(x, cos, sin, documents, cache.layers[i])
         logits = self.lm_head(self.norm(x))
         return logits if targets is None else lm_loss(logits, targets, reduction)

@@ -1,0 +1,77 @@
+"""Generate text with the eager Llama from a training checkpoint or a Hugging Face Llama folder.
+
+    python scripts/generate.py runs/tiny-eager/checkpoints/step_300 --prompt "The Python"
+    python scripts/generate.py exports/tiny --prompt "def " --temperature 0.8 --top-p 0.9 --seed 1
+
+Greedy by default (--temperature 0). The tokenizer is the folder's own when it holds one
+(tokenizer.json or tokenizer_config.json), else the byte tokenizer; --tokenizer names another
+(`byte`, a tokenizer.json or a tokenizer folder), as `data.tokenizer` does in training.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from codatrain.data.tokenizer import load_tokenizer
+from codatrain.model import Llama, LlamaConfig
+from codatrain.model.generate import generate
+from codatrain.model.hf import HFCheckpoint, config_from_hf
+from codatrain.train.checkpoint import CheckpointError, inspect_checkpoint
+from codatrain.train.hf_io import is_checkpoint, load_init_weights
+
+
+def load_model(path: str, device: str) -> Llama:
+    """The eager model with the weights of a codatrain checkpoint (config from its manifest) or of
+    an HF Llama folder (config from its config.json)."""
+    manifest = inspect_checkpoint(path) if is_checkpoint(path) else None
+    if manifest is not None:
+        cfg = LlamaConfig(**manifest["model_config"])
+    else:
+        hf_config = HFCheckpoint(path).config
+        if hf_config is None:
+            raise ValueError(f"{path} has no config.json")
+        cfg = config_from_hf(hf_config)
+    with torch.device("meta"):  # every weight is loaded, so none is initialised first
+        model = Llama(cfg)
+    model.to_empty(device=device)
+    load_init_weights(model, path, cfg, log=lambda line: print(line, file=sys.stderr), manifest=manifest)
+    return model.eval()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("path", help="a checkpoint directory or a Hugging Face Llama folder")
+    parser.add_argument("--prompt", default="", help="the text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=100)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: off)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tokenizer", default=None,
+                        help="byte | a tokenizer.json or tokenizer folder (default: see above)")
+    args = parser.parse_args(argv)
+    folder = Path(args.path)
+    has_tokenizer = (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()
+    try:
+        tokenizer = load_tokenizer(args.tokenizer or (args.path if has_tokenizer else "byte"))
+        model = load_model(args.path, args.device)
+    except (CheckpointError, ValueError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    prompt_ids = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    prompt_ids += tokenizer.encode_batch([args.prompt])[0].tolist()
+    generator = torch.Generator(args.device).manual_seed(args.seed)
+    tokens = generate(
+        model, torch.tensor([prompt_ids], device=args.device), args.max_new_tokens,
+        temperature=args.temperature, top_p=args.top_p, generator=generator, eos_id=tokenizer.eos_id,
+    )
+    print(tokenizer.decode(tokens[0].tolist()))  # decoded whole: a word tokenizer spaces the joint
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""Generation with the eager Llama: greedy tokens as transformers', the KV cache as the full
+forward, seeded sampling, and scripts/generate.py on a training checkpoint and an HF export."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from codatrain.config import load_config
+from codatrain.data.tokenizer import ByteTokenizer, load_tokenizer
+from codatrain.model import Llama, LlamaConfig
+from codatrain.model.generate import generate, next_token
+from codatrain.model.hf import save_hf
+from codatrain.model.llama import KVCache
+from codatrain.train.trainer import train
+
+# Default RoPE and an untied head: what the HF export writes.
+CFG = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=258, max_seq_len=64)
+
+
+def tiny_model(seed: int = 0) -> Llama:
+    model = Llama(CFG)
+    model.init_weights(seed)
+    return model.eval()
+
+
+def prompts(batch: int = 2, length: int = 5) -> torch.Tensor:
+    return torch.randint(0, CFG.vocab_size, (batch, length), generator=torch.Generator().manual_seed(1))
+
+
+def save_word_tokenizer(folder: Path) -> None:
+    """A four-word tokenizer.json with an end-of-text token."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, "</s>": 3}
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    words.add_special_tokens(["</s>"])
+    words.save(str(folder / "tokenizer.json"))
+
+
+def load_script():
+    script = Path(__file__).resolve().parent.parent / "scripts" / "generate.py"
+    spec = importlib.util.spec_from_file_location("generate_script", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_greedy_tokens_equal_transformers_generate(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    model = tiny_model()
+    save_hf(tmp_path, CFG, model.state_dict().items())
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    tokens = prompts()
+    expected = hf.generate(
+        tokens, attention_mask=torch.ones_like(tokens), max_new_tokens=20, do_sample=False,
+        eos_token_id=None, pad_token_id=0,
+    )
+    assert torch.equal(generate(model, tokens, 20), expected)
+
+
+def test_cached_generation_equals_recomputing_the_whole_sequence():
+    model, tokens = tiny_model(), prompts()
+    greedy = generate(model, tokens, 30)
+    assert torch.equal(greedy, generate(model, tokens, 30, use_cache=False))
+    sampled = [
+        generate(model, tokens, 30, temperature=1.0, top_p=0.9, generator=torch.Generator().manual_seed(3),
+                 use_cache=cache)
+        for cache in (True, False)
+    ]
+    assert torch.equal(*sampled)
+
+
+def test_cached_logits_match_the_full_forward():
+    model, tokens = tiny_model(), prompts(length=12)
+    cache = KVCache(CFG, 2, 12, "cpu", torch.float32)
+    with torch.no_grad():
+        full = model(tokens)
+        stepped = torch.cat([model(tokens[:, :7], cache=cache), model(tokens[:, 7:9], cache=cache),
+                             *(model(tokens[:, i:i + 1], cache=cache) for i in range(9, 12))], dim=1)
+    torch.testing.assert_close(stepped, full, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        KVCache(CFG, 1, CFG.max_seq_len + 1, "cpu", torch.float32)
+
+
+def test_sampling_is_reproducible_from_the_seed_and_top_p_zero_is_greedy():
+    model, tokens = tiny_model(), prompts()
+
+    def sample(seed: int, **options) -> torch.Tensor:
+        return generate(model, tokens, 25, generator=torch.Generator().manual_seed(seed), **options)
+
+    hot = {"temperature": 1.5, "top_p": 0.95}
+    assert torch.equal(sample(7, **hot), sample(7, **hot))
+    assert not torch.equal(sample(7, **hot), sample(8, **hot))
+    assert torch.equal(sample(7, temperature=1.5, top_p=0.0), generate(model, tokens, 25))
+
+
+def test_top_p_keeps_the_smallest_set_that_reaches_the_mass():
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log().repeat(2000, 1)
+    drawn = next_token(logits, 1.0, 0.7, torch.Generator().manual_seed(0))
+    assert set(drawn.tolist()) == {0, 1}  # 0.5 < 0.7 ≤ 0.5 + 0.3
+    assert 0.55 < (drawn == 0).float().mean() < 0.70  # renormalised: 0.5 / 0.8 = 0.625
+
+
+def test_generation_stops_once_every_row_produced_eos():
+    model, tokens = tiny_model(), prompts()
+    greedy = generate(model, tokens, 10)
+    new = greedy[:, 5:]
+    for eos in (int(new[0, 2]), int(new[1, 4])):  # one row's third or fifth token as the EOS
+        # Each row is greedy up to its first EOS and EOS after it; it stops when both rows are done.
+        first = [(row == eos).nonzero()[0].item() if (row == eos).any() else len(row) for row in new]
+        expected = new.clone()
+        for row, end in enumerate(first):
+            expected[row, end:] = eos
+        expected = expected[:, :max(first) + 1]
+        assert torch.equal(generate(model, tokens, 10, eos_id=eos), torch.cat([tokens, expected], dim=1))
+
+
+def test_script_on_a_training_checkpoint_and_its_hf_export(tmp_path, capsys):
+    script = load_script()
+    train(load_config([
+        "train.log_every=1", "train.val_every=0", "train.progress=false", "data=synthetic",
+        "data.num_workers=0", "data.seq_len=32", "train.micro_batch_size=2", "train.tokens_per_step=64",
+        "train.steps=2", f"train.run_dir={tmp_path / 'run'}",
+    ]))
+    capsys.readouterr()  # the run's log
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_2"
+    argv = ["--prompt", "The ", "--max-new-tokens", "12", "--device", "cpu"]
+    assert script.main([str(checkpoint), *argv]) == 0
+    from_checkpoint = capsys.readouterr().out
+    assert from_checkpoint.startswith("The ")
+
+    # The same greedy text through the package, and from the checkpoint's HF export.
+    model = script.load_model(str(checkpoint), "cpu")
+    tokenizer = ByteTokenizer()
+    prompt = torch.tensor([[tokenizer.bos_id, *tokenizer.encode_batch(["The "])[0].tolist()]])
+    tokens = generate(model, prompt, 12, eos_id=tokenizer.eos_id)
+    assert from_checkpoint == tokenizer.decode(tokens[0].tolist()) + "\n"
+    export = tmp_path / "export"
+    save_hf(export, model.cfg, model.state_dict().items())
+    assert script.main([str(export), *argv]) == 0
+    assert capsys.readouterr().out == from_checkpoint
+
+    sampled = [script.main([str(export), *argv, "--temperature", "1", "--seed", "5"]) for _ in range(2)]
+    assert sampled == [0, 0]
+    first, second = capsys.readouterr().out.splitlines(keepends=True)[-2:]
+    assert first == second
+
+    # A folder's own tokenizer is used unless --tokenizer names another.
+    save_word_tokenizer(export)
+    assert script.main([str(export), *argv, "--tokenizer", "byte"]) == 0
+    assert capsys.readouterr().out == from_checkpoint
+    assert script.main([str(export), "--prompt", "hello world", "--max-new-tokens", "3"]) == 0
+    words = load_tokenizer(str(export))
+    tokens = generate(model, torch.tensor([[1, 2]]), 3, eos_id=words.eos_id)  # "hello world", no BOS
+    out = capsys.readouterr().out
+    assert out == words.decode(tokens[0].tolist()) + "\n" and out.startswith("hello world")
+
+    assert script.main([str(tmp_path / "missing"), *argv]) == 1
+    assert "error:" in capsys.readouterr().err
+
+
+def test_tokenizers_decode_what_they_encode(tmp_path):
+    byte = ByteTokenizer()
+    ids = byte.encode_batch(["héllo"])[0].tolist()
+    assert byte.decode([byte.bos_id, *ids, byte.eos_id, 300]) == "héllo"  # delimiters and non-bytes dropped
+    save_word_tokenizer(tmp_path)
+    hf = load_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert hf.decode([*hf.encode_batch(["hello world"])[0].tolist(), hf.eos_id]) == "hello world"
