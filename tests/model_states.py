@@ -1,4 +1,5 @@
-"""Random canonical weights for comparing block implementations (CPU tests and tests/gpu)."""
+"""Shared test helpers: random canonical weights for comparing block implementations, and the
+documents of a batch of doc ids (CPU tests and tests/gpu)."""
 
 import torch
 
@@ -21,3 +22,15 @@ def random_canonical_state(cfg: LlamaConfig, dtype: torch.dtype, seed: int) -> d
             value = torch.randn(shape, generator=g) / shape[1] ** 0.5
         state[name] = value.to(dtype)
     return state
+
+
+def documents_of(doc_ids: torch.Tensor) -> list[tuple[int, slice]]:
+    """(row, columns) of every document: the runs of equal ids in each row."""
+    found = []
+    for row, ids in enumerate(doc_ids.tolist()):
+        start = 0
+        for col in range(1, len(ids) + 1):
+            if col == len(ids) or ids[col] != ids[start]:
+                found.append((row, slice(start, col)))
+                start = col
+    return found

@@ -5,6 +5,7 @@ backend's FA4 varlen path is tested in tests/gpu/test_cute_varlen.py."""
 
 import pytest
 import torch
+from model_states import documents_of
 from test_coda import CONFIGS, assert_close_to, canonical_grads, model_pair
 
 from codatrain.config import load_config, validate
@@ -16,18 +17,6 @@ from codatrain.train.trainer import Trainer
 # Two rows of 13 tokens: three documents (5, 1 and 7 tokens: one of a single token) in the first,
 # one whole document in the second.
 DOC_IDS = torch.tensor([[4] * 5 + [5] + [6] * 7, [0] * 13])
-
-
-def documents_of(doc_ids: torch.Tensor) -> list[tuple[int, slice]]:
-    """(row, columns) of every document: the runs of equal ids in each row."""
-    found = []
-    for row, ids in enumerate(doc_ids.tolist()):
-        start = 0
-        for col in range(1, len(ids) + 1):
-            if col == len(ids) or ids[col] != ids[start]:
-                found.append((row, slice(start, col)))
-                start = col
-    return found
 
 
 def test_documents_from_ids():

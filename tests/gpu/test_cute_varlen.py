@@ -21,7 +21,7 @@ if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 
 pytest.importorskip("quack")
 pytest.importorskip("flash_attn.cute")
 
-from model_states import random_canonical_state  # noqa: E402
+from model_states import documents_of, random_canonical_state  # noqa: E402
 
 from codatrain.kernels.attention import documents_from_ids, sdpa_attention  # noqa: E402
 from codatrain.kernels.cute.attention import fa4_attention  # noqa: E402
@@ -42,18 +42,6 @@ def doc_ids_of(lengths_per_row: list[list[int]]) -> torch.Tensor:
         torch.arange(len(lengths)).repeat_interleave(torch.tensor(lengths)) for lengths in lengths_per_row
     ]
     return torch.stack(rows).to(DEVICE)
-
-
-def documents_of(doc_ids: torch.Tensor) -> list[tuple[int, slice]]:
-    """(row, columns) of every document: the runs of equal ids in each row."""
-    found = []
-    for row, ids in enumerate(doc_ids.tolist()):
-        start = 0
-        for col in range(1, len(ids) + 1):
-            if col == len(ids) or ids[col] != ids[start]:
-                found.append((row, slice(start, col)))
-                start = col
-    return found
 
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
