@@ -24,6 +24,8 @@ Llama block complete the table. Times are medians of many runs, all measured in 
     python scripts/bench_block.py --impl cute --compile --sections fwd_bwd
     python scripts/bench_block.py --impl cute --sweep F1 F3       # + time candidate GEMM configs
     python scripts/bench_block.py --impl reference --model tiny --tokens 512 --device cpu
+    python scripts/bench_block.py --model llama3_1b --tokens 32768 --sections head --compile \
+        --head-chunks 2048 4096 8192                                # the training LM head alone
 """
 
 from __future__ import annotations
@@ -113,12 +115,7 @@ class Inputs:
         self.dqkv = randn(tokens, cfg.qkv_dim)
         self.preact = randn(tokens, 2 * f)
         self.zdz = torch.randn(tokens, device=device)
-        # One LM-head backward chunk, as the CODA model cuts it (StageBackend.head_chunk_rows).
-        self.head_rows = min(tokens, head_chunk_rows)
-        self.dlogits = randn(self.head_rows, cfg.vocab_size)
-        self.dw_head = torch.zeros(cfg.vocab_size, d, device=device)  # fp32, as the model accumulates
-        self.lse = torch.rand(tokens, device=device) + 10
-        self.grad_scale = torch.tensor(1.0 / tokens, device=device)
+        self.head_chunk_rows = head_chunk_rows  # as the CODA model cuts the LM head
 
 
 Row = tuple[str, Callable, Callable | None, Callable]  # name, timed call, GEMM floor, eager call
@@ -165,11 +162,6 @@ def stage_rows(s: StageBackend, ref: StageBackend, x: Inputs) -> list[Row]:
         ("B gate/up wgrad", "wgrad", (x.preact, x.h), {}, wgrad(x.preact, x.h)),
         ("B down wgrad", "wgrad", (x.x, x.y), {}, wgrad(x.x, x.y)),
         ("B QKV wgrad", "wgrad", (x.dqkv, x.h), {}, wgrad(x.dqkv, x.h)),
-        ("B LM-head wgrad, one chunk, += fp32", "wgrad", (x.dlogits, x.h[:x.head_rows]),
-         {"accumulate_into": x.dw_head}, wgrad(x.dlogits, x.h[:x.head_rows])),
-        ("B LM-head CE bwd (one chunk)", "gemm_rstd_ce_bwd",
-         (x.h[:x.head_rows], x.w_head, x.rstd[:x.head_rows], x.tokens[:x.head_rows], x.lse[:x.head_rows],
-          x.grad_scale), {}, gemm(x.h[:x.head_rows], x.w_head)),
         ("B embedding bwd", "entry_bwd", (x.x, x.tokens), {"num_embeddings": c.vocab_size}, None),
     ]:
         stage, eager = both(method, *args, **kwargs)
@@ -299,13 +291,103 @@ def fwd_bwd_fns(
     return fns
 
 
+def head_fns(s: StageBackend, x: Inputs, device: torch.device, chunks: list[int],
+             compile_eager: bool) -> dict[str, Callable]:
+    """The training head alone, forward + backward over M = --tokens rows: the final RMSNorm, the
+    LM head and the summed cross-entropy, with the gradients of x, γ and W.
+
+    - floor: its three GEMMs in cuBLAS (logits n·Wᵀ, dgrad dlogits·W, wgrad dlogitsᵀ·n), bf16;
+    - eager: the eager Llama's final norm, head and `lm_loss` (M×V logits and their fp32 copy);
+      compile: the same under torch.compile;
+    - liger: the eager norm, then liger-kernel's fused linear cross-entropy (when installed);
+    - quack LCE <pipeline> c<N>: QuACK's `chunked_linear_cross_entropy` on n itself (no norm),
+      untuned (its autotuner would compile dozens of GEMM configs first), as the CODA head calls it;
+    - CODA c<N>: the backend's `lm_head_ce` in N-row chunks and the backward's scaling of its
+      gradients (the model's `_FinalLossFn`, without the last layer's MLP)."""
+    from codatrain.model.llama import RMSNorm, lm_loss
+
+    c, m = x.cfg, x.m
+    norm = RMSNorm(c.dim, EPS).to(device=device, dtype=x.x.dtype)
+    with torch.no_grad():
+        norm.weight.copy_(x.gamma)
+    x_in = x.x.detach().clone().requires_grad_()
+    w = x.w_head.detach().clone().requires_grad_()
+    n = norm(x.x).detach().requires_grad_()
+    targets = x.tokens
+    logits_out, dlogits = torch.empty(m, c.vocab_size, device=device, dtype=x.x.dtype), \
+        torch.randn(m, c.vocab_size, device=device).to(x.x.dtype)
+    leaves = (x_in, w, n, norm.weight)
+
+    def clear() -> None:
+        for leaf in leaves:
+            leaf.grad = None
+
+    def floor() -> None:
+        torch.mm(x.h, x.w_head.t(), out=logits_out)
+        torch.mm(dlogits, x.w_head)
+        torch.mm(dlogits.t(), x.h)
+
+    def eager_head(x_rows: torch.Tensor) -> torch.Tensor:
+        logits = norm(x_rows) @ w.t()
+        return lm_loss(logits[None], targets[None], reduction="sum")
+
+    def run(loss_fn: Callable[[], torch.Tensor]) -> Callable:
+        def call() -> None:
+            clear()
+            loss_fn().backward()
+
+        return call
+
+    fns = {"floor (3 cuBLAS GEMMs)": floor, "eager": run(lambda: eager_head(x_in))}
+    if compile_eager:
+        compiled = torch.compile(eager_head)
+        fns["compile"] = run(lambda: compiled(x_in))
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+        liger = LigerFusedLinearCrossEntropyLoss(reduction="sum")
+        fns["liger FLCE"] = run(lambda: liger(w, norm(x_in), targets))
+    except ImportError as exc:
+        print(f"head: no liger row ({exc})")
+    from quack.linear_cross_entropy import chunked_linear_cross_entropy
+
+    scale = torch.ones((), device=device)
+
+    def coda(chunk: int) -> Callable:
+        def call() -> None:
+            out = s.lm_head_ce(x.x, x.gamma, x.w_head, targets, eps=EPS, chunk_rows=chunk)
+            out.dx * scale, out.dgamma * scale
+            torch.mul(out.dweight, scale, out=torch.empty(out.dweight.shape, dtype=x.x.dtype, device=device))
+
+        return call
+
+    for chunk in chunks:
+        for pipeline, scaled_exp in (("scaled-exp", True), ("base", False)):
+            fns[f"quack LCE {pipeline} c{chunk}"] = run(
+                lambda chunk=chunk, scaled_exp=scaled_exp: chunked_linear_cross_entropy(
+                    n, w, targets, chunk_size=chunk, reduction="sum", tuned=False, use_scaled_exp=scaled_exp
+                )
+            )
+        fns[f"CODA c{chunk}"] = coda(chunk)
+    return fns
+
+
+def peak_gib(fn: Callable, device: torch.device) -> float:
+    """GiB a call allocates at its peak beyond what was allocated before it."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - before) / 2**30
+
+
 def sweep(x: Inputs, device: torch.device, stages: list[str], warmup: int, iters: int) -> list[dict]:
     """Time cute GEMM stages under candidate tile configs (the winners go into
     codatrain/kernels/cute/configs.py), each next to the same GEMM alone in cuBLAS."""
     from codatrain.kernels.cute import configs
 
     s = get_backend("cute", device)
-    rows = x.head_rows
     norm_bwd = (x.x, x.gamma, x.rstd, x.zdz, x.x)  # the norm's input, γ, rstd, zdz, residual grad
     cfg = configs.sm90_config
     candidates = {
@@ -334,14 +416,6 @@ def sweep(x: Inputs, device: torch.device, stages: list[str], warmup: int, iters
                     lambda: torch.mm(x.preact, x.w_gu)),
         "Brms_qkv": ("rms_bwd", lambda: s.gemm_rms_bwd(x.dqkv, x.w_qkv, *norm_bwd),
                      lambda: torch.mm(x.dqkv, x.w_qkv)),
-        "Brms_final": ("rms_bwd",
-                       lambda: s.gemm_rms_bwd(x.dlogits, x.w_head, x.x[:rows], x.gamma, x.rstd[:rows],
-                                              x.zdz[:rows]),
-                       lambda: torch.mm(x.dlogits, x.w_head)),
-        "Bce": ("ce_bwd",
-                lambda: s.gemm_rstd_ce_bwd(x.h[:rows], x.w_head, x.rstd[:rows], x.tokens[:rows], x.lse[:rows],
-                                           x.grad_scale),
-                lambda: torch.mm(x.h[:rows], x.w_head.t())),
     }
     unknown = [stage for stage in stages if stage not in calls]
     if unknown:
@@ -380,11 +454,14 @@ def main() -> None:
     p.add_argument("--compile", action="store_true", help="also time the torch.compile'd eager block")
     p.add_argument("--sweep", nargs="*", metavar="STAGE",
                    help="time candidate GEMM configs of these cute stages (F1 F2 F3 F4 LM Bdswiglu Brms_gu "
-                        "Brms_qkv Brms_final Bce; none: all)")
+                        "Brms_qkv; none: all)")
     p.add_argument("--sections", nargs="+", default=["stages", "layer", "fwd_bwd"],
-                   choices=["stages", "layer", "fwd_bwd"],
+                   choices=["stages", "layer", "fwd_bwd", "head"],
                    help="stages: every stage alone; layer: attention and the layer forward; "
-                        "fwd_bwd: the layer forward + backward against eager, compile and the floor")
+                        "fwd_bwd: the layer forward + backward against eager, compile and the floor; "
+                        "head: the training LM head forward + backward against its peers and floor")
+    p.add_argument("--head-chunks", type=int, nargs="+",
+                   help="head section: chunk rows to time (default: the backend's head_chunk_rows)")
     p.add_argument("--json", type=Path, help="write the measurements to this file")
     args = p.parse_args()
     if args.tokens % args.seq_len:
@@ -439,6 +516,27 @@ def main() -> None:
         print(f"{'implementation':16s} {'ms':>9s} {'/ floor':>9s} {'/ CODA':>9s}")
         for name, ms in times.items():
             print(f"{name:16s} {ms:9.3f} {ms / times['floor']:9.3f} {ms / times['CODA']:9.3f}")
+    if "head" in args.sections:
+        fns = head_fns(s, x, device, args.head_chunks or [x.head_chunk_rows], args.compile)
+        times, failed = {}, {}
+        for name, fn in fns.items():  # one by one first: a pipeline that rejects a shape is a result
+            try:
+                fn()
+            except Exception as exc:
+                failed[name] = f"{type(exc).__name__}: {exc}"[:200]
+        fns = {name: fn for name, fn in fns.items() if name not in failed}
+        times = dict(zip(fns, median_ms(list(fns.values()), device, warmup=args.warmup, iters=args.iters),
+                         strict=True))
+        peaks = {name: peak_gib(fn, device) for name, fn in fns.items()} if device.type == "cuda" else {}
+        results["head"] = {"ms": times, "peak_gib": peaks, "failed": failed}
+        floor = times["floor (3 cuBLAS GEMMs)"]
+        print(f"\nLM head forward + backward ({args.model}, M={args.tokens}, V={cfg.vocab_size}, "
+              f"d={cfg.dim})")
+        print(f"{'implementation':30s} {'ms':>9s} {'/ floor':>9s} {'peak GiB':>9s}")
+        for name, ms in times.items():
+            print(f"{name:30s} {ms:9.3f} {ms / floor:9.3f} {peaks.get(name, float('nan')):9.2f}")
+        for name, error in failed.items():
+            print(f"{name:30s} failed: {error}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

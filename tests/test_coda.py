@@ -89,6 +89,34 @@ def test_fp64_loss_and_every_gradient_match_eager(name, ignore):
         assert_close_to(grads[n], p.grad, 1e-10, n)
 
 
+def test_head_gradients_follow_a_loss_scaled_after_the_fact():
+    """The LM head computes its gradients during the forward, for a unit upstream gradient, and
+    backward scales them. Two micro-batches whose summed losses are scaled differently afterwards
+    (gradient accumulation with a later normalization) accumulate exactly the eager gradients."""
+    cfg = CONFIGS["gqa2-L3"]
+    eager, coda = model_pair(cfg, torch.float64, head_chunk_rows=5)
+    for seed, scale in ((0, 0.37), (1, -2.5)):
+        tokens, targets = batch(cfg, 2, 13, ignore=True, seed=seed)
+        expected = F.cross_entropy(eager(tokens).flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX,
+                                   reduction="sum")
+        (scale * expected).backward()
+        (scale * coda(tokens, targets, reduction="sum")).backward()
+    grads = canonical_grads(coda)
+    for n, p in eager.named_parameters():
+        assert_close_to(grads[n], p.grad, 1e-10, n)
+
+
+def test_loss_without_gradients_equals_the_training_loss():
+    """Evaluation (no_grad) takes the head's loss-only path: the same loss, nothing to backward."""
+    cfg = CONFIGS["gqa4-L2"]
+    _, coda = model_pair(cfg, torch.float64, head_chunk_rows=5)
+    tokens, targets = batch(cfg, 2, 13, ignore=True)
+    with torch.no_grad():
+        evaluated = coda(tokens, targets)
+    assert not evaluated.requires_grad
+    assert_close_to(evaluated, coda(tokens, targets), 1e-12, "loss")
+
+
 def test_fp64_logits_and_their_gradients_match_eager():
     cfg = CONFIGS["gqa2-L3"]
     eager, coda = model_pair(cfg, torch.float64)

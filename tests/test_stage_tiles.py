@@ -87,26 +87,29 @@ def test_mlp_norm_dgamma_over_row_tiles(s):
         torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("head", ["cross-entropy", "logits"])
-def test_final_norm_dgamma_over_row_tiles(s, head):
+def test_final_norm_dgamma_over_row_chunks_of_the_cross_entropy_head(s):
+    """`lm_head_ce` over 128-row chunks (128 + 128 + 44) sums dγ and dW over all of them."""
+    x, gamma, _, n = norm_inputs()
+    w_lm = rand(V, D, scale=D**-0.5)
+    targets = torch.randint(0, V, (M,))
+    targets[::7] = IGNORE_INDEX
+    loss = F.cross_entropy(n @ w_lm.t(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    expected = torch.autograd.grad(loss, [x, gamma, w_lm])
+    with torch.no_grad():
+        out = s.lm_head_ce(x, gamma, w_lm, targets, eps=EPS, chunk_rows=TILE_M)
+    torch.testing.assert_close(out.loss.sum(), loss, rtol=1e-12, atol=0)
+    for e, a in zip(expected, [out.dx, out.dgamma, out.dweight], strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10)
+
+
+def test_final_norm_dgamma_over_row_tiles_of_the_logits_head(s):
     x, gamma, rstd, n = norm_inputs()
     w_lm = rand(V, D, scale=D**-0.5)
     logits = n @ w_lm.t()
-    targets = torch.randint(0, V, (M,))
-    targets[::7] = IGNORE_INDEX
-    if head == "cross-entropy":
-        loss = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
-    else:
-        dlogits = torch.randn_like(logits)
-        loss = (logits * dlogits).sum()
-    expected = torch.autograd.grad(loss, [x, gamma, w_lm])
+    dlogits = torch.randn_like(logits)
+    expected = torch.autograd.grad((logits * dlogits).sum(), [x, gamma, w_lm])
     with torch.no_grad():
-        if head == "cross-entropy":
-            lse = torch.logsumexp(logits, -1)
-            grad_scale = 1.0 / (targets != IGNORE_INDEX).sum().double()
-            dlogits, zdz = s.gemm_rstd_ce_bwd(n / rstd[:, None], w_lm, rstd, targets, lse, grad_scale)
-        else:
-            zdz = s.row_dot(logits, dlogits)
+        zdz = s.row_dot(logits, dlogits)
         dx, n_out, dgamma_partials = norm_backward(s, dlogits, w_lm, x, gamma, rstd, zdz)
         actual = [dx, dgamma_partials.sum(0), s.wgrad(dlogits, n_out)]
     for e, a in zip(expected, actual, strict=True):

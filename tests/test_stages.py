@@ -132,35 +132,25 @@ def test_mlp_backward_stages(s):
     assert_grads(expected, actual)
 
 
-def test_cross_entropy_backward_stages(s):
-    """gemm_rstd_ce_bwd on row chunks → gemm_rms_bwd → wgrad accumulated over chunks."""
-    leaves, (x, h, rstd) = norm_producer(s)
+@pytest.mark.parametrize("chunk_rows", [M, 20, 8], ids=["one-chunk", "chunks-20+17", "chunks-of-8"])
+def test_lm_head_ce_gives_the_loss_and_gradients_of_norm_head_and_cross_entropy(s, chunk_rows):
+    """The final norm, the head and the summed cross-entropy, forward and backward in one call,
+    against torch.autograd of the plain math; ignored targets count in neither."""
+    x = rand(M, D)
+    gamma = (1 + 0.3 * torch.randn(D, dtype=torch.float64)).requires_grad_()
     w_lm = rand(V, D, scale=D**-0.5)
     targets = torch.randint(0, V, (M,))
     targets[::4] = IGNORE_INDEX
-    lse, target_logit = s.gemm_rstd_lse(h, w_lm, rstd, targets)
-    grad_scale = torch.tensor(0.37, dtype=torch.float64)
-    loss = grad_scale * torch.where(targets != IGNORE_INDEX, lse - target_logit, 0.0).sum()
-    expected = torch.autograd.grad(loss, [*leaves, w_lm])
-
+    n = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + EPS) * gamma
+    row_loss = torch.nn.functional.cross_entropy(n @ w_lm.t(), targets, ignore_index=IGNORE_INDEX,
+                                                 reduction="none")
+    expected = torch.autograd.grad(row_loss.sum(), [x, gamma, w_lm])
     with torch.no_grad():
-        logits = (h @ w_lm.t()) * rstd[:, None]
-        torch.testing.assert_close(lse, torch.logsumexp(logits, -1))
-        dw_lm = torch.zeros_like(w_lm)
-        dx_chunks, dgamma = [], 0
-        for rows in (slice(0, 20), slice(20, M)):
-            dlogits, zdz = s.gemm_rstd_ce_bwd(h[rows], w_lm, rstd[rows], targets[rows], lse[rows], grad_scale)
-            # docs/design.md §3: ZdZ of the final norm = grad_scale·(E_softmax[ℓ] − ℓ_target) on counted rows.
-            p = torch.softmax(logits[rows], -1)
-            counted = targets[rows] != IGNORE_INDEX
-            expected_zdz = grad_scale * ((p * logits[rows]).sum(-1) - target_logit[rows])
-            torch.testing.assert_close(zdz, torch.where(counted, expected_zdz, 0.0))
-            dx, n, dgamma_partials = s.gemm_rms_bwd(dlogits, w_lm, x[rows], leaves[3], rstd[rows], zdz)
-            s.wgrad(dlogits, n, accumulate_into=dw_lm)
-            dx_chunks.append(dx)
-            dgamma = dgamma + dgamma_partials.sum(0)
-        da, dw_o, dres = producer_grads(s, leaves, torch.cat(dx_chunks))
-    assert_grads(expected, [da, dw_o, dres, dgamma, dw_lm])
+        out = s.lm_head_ce(x, gamma, w_lm, targets, eps=EPS, chunk_rows=chunk_rows)
+    torch.testing.assert_close(out.loss, row_loss, rtol=1e-12, atol=1e-12)
+    assert (out.loss[::4] == 0).all()
+    assert out.dweight.dtype == out.dgamma.dtype == torch.float64
+    assert_grads(expected, [out.dx, out.dgamma, out.dweight])
 
 
 def test_logits_backward_stages(s):
@@ -270,7 +260,7 @@ def test_cute_stages_trace_under_compile():
     h, x, w_gu, w_down = torch.empty(m, d, **act), torch.empty(m, d, **act), torch.empty(2 * f, d, **act), \
         torch.empty(d, f, **act)
     w_qkv, w_lm, gamma = torch.empty(32, d, **act), torch.empty(v, d, **act), torch.empty(d, **act)
-    rstd, scale = torch.empty(m, device="meta"), torch.empty((), device="meta")
+    rstd = torch.empty(m, device="meta")
     tokens = torch.empty(m, dtype=torch.long, device="meta")
 
     def stages(s):
@@ -282,10 +272,10 @@ def test_cute_stages_trace_under_compile():
         dz, zdz = s.rope_bwd(qkv, qkv, tokens, **pairs)
         dx, n, _ = s.gemm_rms_bwd(dz, w_qkv, x2, gamma, rstd, zdz, x)
         dpreact, y2, zdz2 = s.gemm_dswiglu(dx, w_down, preact)
-        dlogits, zdz3 = s.gemm_rstd_ce_bwd(h2, w_lm, rstd, tokens, lse, scale)
+        head = s.lm_head_ce(x2, gamma, w_lm, tokens, eps=EPS, chunk_rows=32)
         dw = s.wgrad(dx, x, accumulate_into=torch.zeros(d, d, device="meta"))
-        return (*e, preact, y, x2, h2, qkv, lse, target_logit, dz, zdz, dx, n, dpreact, y2, zdz2, dlogits,
-                zdz3, dw, s.gemm_rstd(h2, w_lm, rstd), s.row_dot(qkv, qkv), s.dgrad(dx, w_qkv.t()),
+        return (*e, preact, y, x2, h2, qkv, lse, target_logit, dz, zdz, dx, n, dpreact, y2, zdz2, *head, dw,
+                s.gemm_rstd(h2, w_lm, rstd), s.row_dot(qkv, qkv), s.dgrad(dx, w_qkv.t()),
                 s.entry_bwd(dx, tokens, num_embeddings=v))
 
     compiled = torch.compile(lambda: stages(cute), fullgraph=True, backend="eager")()

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 
 from codatrain.kernels.stages import (
     IGNORE_INDEX,
-    CeBwdOut,
     DSwigluOut,
     EntryOut,
+    HeadLossOut,
     LseOut,
     ResidualOut,
     RmsBwdOut,
@@ -152,6 +152,43 @@ class ReferenceStages(StageBackend):
             target_logit[chunk] = torch.where(valid, picked, 0.0)
         return LseOut(lse, target_logit)
 
+    def lm_head_ce(
+        self,
+        x: torch.Tensor,
+        gamma: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        eps: float,
+        chunk_rows: int,
+        ignore_index: int = IGNORE_INDEX,
+    ) -> HeadLossOut:
+        st = stat_dtype(x.dtype)
+        xs = x.to(st)
+        rstd = torch.rsqrt(xs.pow(2).mean(-1) + eps)
+        xr = xs * rstd[:, None]
+        n = (xr * gamma.to(st)).to(x.dtype)  # the normed rows, written once as the GEMMs' operand
+        loss = torch.empty_like(rstd)
+        dn = torch.empty_like(x)
+        dweight = torch.zeros(weight.shape, dtype=st, device=x.device)
+        for start in range(0, x.shape[0], chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            logits = (n[rows] @ weight.t()).to(st)
+            lse = torch.logsumexp(logits, dim=-1)
+            valid = targets[rows] != ignore_index
+            picked = torch.where(valid, targets[rows], 0)[:, None]
+            loss[rows] = torch.where(valid, lse - logits.gather(1, picked)[:, 0], 0.0)
+            # dlogits overwrite the logits chunk, in the activation dtype.
+            dlogits = torch.exp(logits - lse[:, None]).scatter_add_(1, picked, -torch.ones_like(lse)[:, None])
+            dlogits = (dlogits * valid[:, None]).to(x.dtype)
+            dn[rows] = dlogits @ weight
+            dweight += dlogits.t().to(st) @ n[rows].to(st)  # accumulated unrounded, as in fp32
+        dns = dn.to(st)
+        zdz = (n.to(st) * dns).sum(-1)
+        # The norm backward of `gemm_rms_bwd`, with dn at hand instead of a dgrad GEMM.
+        dx = rstd[:, None] * (dns * gamma.to(st) - xr * (zdz[:, None] / x.shape[1]))
+        return HeadLossOut(loss, dx.to(x.dtype), (dns * xr).sum(0), dweight)
+
     # ---- backward --------------------------------------------------------------------------
 
     def rope_bwd(
@@ -170,26 +207,6 @@ class ReferenceStages(StageBackend):
         # The transpose of a rotation is the rotation by the opposite angle.
         dz = _rotate_pairs(dqkv_s, cos, -sin, head_dim, rope_heads)
         return RopeBwdOut(dz.to(dqkv.dtype), (qkv.to(st) * dqkv_s).sum(-1))
-
-    def gemm_rstd_ce_bwd(
-        self,
-        h: torch.Tensor,
-        weight: torch.Tensor,
-        rstd: torch.Tensor,
-        targets: torch.Tensor,
-        lse: torch.Tensor,
-        grad_scale: torch.Tensor,
-        *,
-        ignore_index: int = IGNORE_INDEX,
-    ) -> CeBwdOut:
-        logits = (h @ weight.t()).to(rstd.dtype) * rstd[:, None]
-        valid = targets != ignore_index
-        dlogits = torch.exp(logits - lse[:, None])
-        dlogits.scatter_add_(
-            1, torch.where(valid, targets, 0)[:, None], -torch.ones_like(lse)[:, None]
-        )
-        dlogits *= torch.where(valid, grad_scale, 0.0)[:, None]
-        return CeBwdOut(dlogits.to(h.dtype), (logits * dlogits).sum(-1))
 
     def row_dot(self, z: torch.Tensor, dz: torch.Tensor) -> torch.Tensor:
         st = stat_dtype(z.dtype)

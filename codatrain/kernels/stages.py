@@ -12,9 +12,9 @@ Conventions shared by every stage
   ``(out, in)`` as stored in the model, so a GEMM computes ``D = A·Wᵀ``.
 - All floating tensors passed to one call (activations and weights) share one dtype, the
   *activation dtype* (bf16 in training, fp32/fp64 in tests). Per-row and per-column statistics
-  (``sq_partials``, ``rstd``, ``zdz``, ``lse``, ``target_logit``, ``dgamma_partials``,
-  ``grad_scale``) use the *statistics dtype* `stat_dtype(activation dtype)`: fp32 for 16-bit
-  inputs, the input dtype otherwise.
+  (``sq_partials``, ``rstd``, ``zdz``, ``lse``, ``target_logit``, ``dgamma_partials``, the
+  head's ``loss``, ``dgamma`` and ``dweight``) use the *statistics dtype*
+  `stat_dtype(activation dtype)`: fp32 for 16-bit inputs, the input dtype otherwise.
 - Layouts are the CODA layouts, not the canonical (HF) ones: gate/up weight rows are interleaved
   ``[g0, u0, g1, u1, …]``; inside each q and k head the RoPE pairs are adjacent columns
   ``(2i, 2i+1)``, rotated by angle ``position · rope_theta^(-2i/head_dim)`` as
@@ -104,9 +104,15 @@ class RopeBwdOut(NamedTuple):
     zdz: torch.Tensor  # (M,) stat dtype: Σ_n z·dz over all N_qkv columns (= Σ qkv·dqkv)
 
 
-class CeBwdOut(NamedTuple):
-    dlogits: torch.Tensor  # (M, V) activation dtype: grad_scale · (softmax − onehot(target))
-    zdz: torch.Tensor  # (M,) stat dtype: Σ_v logit_v · dlogit_v
+class HeadLossOut(NamedTuple):
+    """The LM head's per-row loss and the gradients of Σ loss. The gradients are linear in the
+    upstream gradient of Σ loss, which backward learns only later (a mean taken outside, gradient
+    accumulation): computed here for a unit upstream gradient, they are scaled by it then."""
+
+    loss: torch.Tensor  # (M,) stat dtype: lse − target logit; 0 where the target is ignored
+    dx: torch.Tensor  # (M, d) activation dtype: ∂(Σ loss)/∂x, x the final norm's input
+    dgamma: torch.Tensor  # (d,) stat dtype: ∂(Σ loss)/∂γ_final
+    dweight: torch.Tensor  # (V, d) stat dtype: ∂(Σ loss)/∂W_head, summed over chunks unrounded
 
 
 class RmsBwdOut(NamedTuple):
@@ -130,8 +136,9 @@ class StageBackend(ABC):
     Forward of one middle layer (docs/design.md §3): `gemm_residual_rms` (F1, out-proj) →
     `rstd_from_partials` (R1) → `gemm_rstd_swiglu` (F2) → `gemm_residual_rms` (F3, down) →
     `rstd_from_partials` (R2) → `gemm_rstd_rope` (F4, next layer's QKV) → attention.
-    The model starts with `entry` + `gemm_rstd_rope` and ends with `gemm_rstd_lse` (training) or
-    `gemm_rstd` (logits). The backward stages mirror them.
+    The model starts with `entry` + `gemm_rstd_rope` and ends with `lm_head_ce` (training: the loss
+    and the head's gradients at once), `gemm_rstd_lse` (the loss alone, e.g. validation) or
+    `gemm_rstd` (logits). The backward stages mirror the layers.
     """
 
     name: str
@@ -141,8 +148,8 @@ class StageBackend(ABC):
         return None
 
     def head_chunk_rows(self, vocab_size: int) -> int:
-        """Rows per chunk of the LM-head backward (`gemm_rstd_ce_bwd` and what follows it) for a
-        vocabulary of `vocab_size`: about HEAD_CHUNK_ELEMENTS logits, in whole HEAD_CHUNK_MULTIPLEs."""
+        """Rows per chunk of `lm_head_ce` for a vocabulary of `vocab_size`: about
+        HEAD_CHUNK_ELEMENTS logits, in whole HEAD_CHUNK_MULTIPLEs."""
         rows = HEAD_CHUNK_ELEMENTS // vocab_size
         return max(HEAD_CHUNK_MULTIPLE, rows - rows % HEAD_CHUNK_MULTIPLE)
 
@@ -238,6 +245,31 @@ class StageBackend(ABC):
         row is lse − target_logit.
         """
 
+    @abstractmethod
+    def lm_head_ce(
+        self,
+        x: torch.Tensor,
+        gamma: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        eps: float,
+        chunk_rows: int,
+        ignore_index: int = IGNORE_INDEX,
+    ) -> HeadLossOut:
+        """Final RMSNorm, LM head and cross-entropy, forward and backward in one pass (the fused
+        linear cross-entropy order): per chunk of `chunk_rows` rows, the logits GEMM once, then
+        LSE, target logit, loss and dlogits in place of the logits, the dgrad and the weight
+        gradient right away. Neither M×V logits nor a second logits GEMM ever exist.
+
+        x (M, d) the residual stream the final norm reads; gamma (d,) = γ_final; weight (V, d);
+        targets (M,) int64. With n = rstd ⊙ x ⊙ γ (rstd = (mean x² + eps)^-1/2) and logits = n·Wᵀ:
+        dlogits = softmax(logits) − onehot(target) (zero rows where ignored), dn = dlogits·W,
+        dW = Σ_chunks dlogitsᵀ·n, and the norm backward dx = rstd ⊙ (dn ⊙ γ − x ⊙ rstd · zdz/d)
+        with zdz = Σ_k n·dn (= Σ_v logits·dlogits, the ZdZ identity), dγ = Σ_m dn ⊙ x ⊙ rstd.
+        Returns `HeadLossOut` for a unit gradient of Σ loss.
+        """
+
     # ---- backward --------------------------------------------------------------------------
 
     @abstractmethod
@@ -256,28 +288,6 @@ class StageBackend(ABC):
         dqkv (M, N_qkv) from attention's backward; qkv (M, N_qkv) the F4 output; positions and
         RoPE arguments as in `gemm_rstd_rope`. Returns dz = the gradient rotated back by −angle
         and zdz = Σ_n qkv·dqkv, which equals Σ_n z·dz because RoPE is orthogonal.
-        """
-
-    @abstractmethod
-    def gemm_rstd_ce_bwd(
-        self,
-        h: torch.Tensor,
-        weight: torch.Tensor,
-        rstd: torch.Tensor,
-        targets: torch.Tensor,
-        lse: torch.Tensor,
-        grad_scale: torch.Tensor,
-        *,
-        ignore_index: int = IGNORE_INDEX,
-    ) -> CeBwdOut:
-        """Cross-entropy backward for a block of rows: recompute logits, emit dlogits and ZdZ.
-
-        h, weight, rstd, targets as in `gemm_rstd_lse` (for the rows of this block); lse (M,) from
-        the forward; grad_scale: 0-d stat-dtype tensor, d(loss)/d(Σ_rows row loss) (for a mean
-        loss: upstream gradient / number of counted targets). Call it on row chunks so that one
-        chunk of M×V is alive at a time.
-        Returns dlogits = grad_scale·(softmax(logits) − onehot(target)), zero rows where
-        targets == ignore_index, and zdz = Σ_v logits·dlogits (= grad_scale·(E_softmax[ℓ] − ℓ_target)).
         """
 
     @abstractmethod

@@ -196,42 +196,41 @@ class _LayerFn(torch.autograd.Function):
 
 class _FinalLossFn(torch.autograd.Function):
     """(o, x_in) → the *sum* of the cross-entropy over targets that are not IGNORE_INDEX (0 when
-    there are none): F1 R1 F2 F3 R2, then the LM head's LSE stage. Whoever normalizes the sum (the
-    model's mean, or the trainer's count over a whole optimizer step) does so outside, so the head's
-    backward scales every row by the incoming dloss alone."""
+    there are none): F1 R1 F2 F3, then the final norm and LM head in the fused-linear-cross-entropy
+    order (`lm_head_ce`), which computes the head's gradients during the forward. Whoever
+    normalizes the sum (the model's mean, or the trainer's count over a whole optimizer step) does
+    so outside, so the backward scales those gradients by the incoming dloss alone."""
 
     @staticmethod
     def forward(ctx, o, x_in, w_o, gamma_mlp, w_gu, w_down, gamma_final, w_lm, targets, s, c, chunk_rows):
-        mlp_saved, x2, h2, r2 = _mlp_forward(s, c, o, x_in, w_o, gamma_mlp, w_gu, w_down, gamma_final)
-        lse, target_logit = s.gemm_rstd_lse(h2, w_lm, r2, targets)
-        loss_sum = torch.where(targets != IGNORE_INDEX, lse - target_logit, 0.0).sum()
-        ctx.save_for_backward(*mlp_saved, x2, h2, r2, lse, targets, gamma_final, w_lm)
-        ctx.s, ctx.chunk_rows = s, chunk_rows
-        return loss_sum
+        mlp_saved, x2, _, _ = _mlp_forward(s, c, o, x_in, w_o, gamma_mlp, w_gu, w_down, gamma_final)
+        head = s.lm_head_ce(x2, gamma_final, w_lm, targets, eps=c.eps, chunk_rows=chunk_rows)
+        ctx.save_for_backward(*mlp_saved, head.dx, head.dgamma, head.dweight)
+        ctx.s, ctx.dtypes = s, (gamma_final.dtype, w_lm.dtype)
+        return head.loss.sum()
 
     @staticmethod
     def backward(ctx, dloss):
-        mlp_saved, (x2, h2, r2, lse, targets, gamma_final, w_lm) = _unpack(ctx)
-        s = ctx.s
+        mlp_saved, (dx2, dgamma, dw_lm) = _unpack(ctx)
         with torch.autocast(dloss.device.type, enabled=False):
-            grad_scale = dloss.to(r2.dtype)
-            # The head is processed in row chunks so that one chunk of dlogits is alive at a time;
-            # its weight gradient and dγ are summed over chunks in the statistics dtype.
-            dw_lm = torch.zeros(w_lm.shape, dtype=r2.dtype, device=w_lm.device)
-            dgamma = torch.zeros(gamma_final.shape, dtype=r2.dtype, device=w_lm.device)
-            dx2_chunks = []
-            for start in range(0, x2.shape[0], ctx.chunk_rows):
-                rows = slice(start, start + ctx.chunk_rows)
-                r = r2[rows]
-                dlogits, zdz = s.gemm_rstd_ce_bwd(h2[rows], w_lm, r, targets[rows], lse[rows], grad_scale)
-                dx, n, dgamma_partials = s.gemm_rms_bwd(dlogits, w_lm, x2[rows], gamma_final, r, zdz)
-                s.wgrad(dlogits, n, accumulate_into=dw_lm)
-                dgamma += dgamma_partials.sum(0)
-                dx2_chunks.append(dx)
-            mlp_grads = _mlp_backward(s, mlp_saved, torch.cat(dx2_chunks))
-        return (
-            *mlp_grads, dgamma.to(gamma_final.dtype), dw_lm.to(w_lm.dtype), None, None, None, None
-        )
+            scale = dloss.to(dgamma.dtype)
+            mlp_grads = _mlp_backward(ctx.s, mlp_saved, dx2 * scale)
+        gamma_dtype, w_dtype = ctx.dtypes
+        dgamma, dw_lm = _scaled(dgamma, scale, gamma_dtype), _scaled(dw_lm, scale, w_dtype)
+        return *mlp_grads, dgamma, dw_lm, None, None, None, None
+
+
+def _scaled(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t · scale rounded to `dtype` in one pass (the LM head's V×d fp32 gradient is gigabytes)."""
+    return torch.mul(t, scale, out=torch.empty(t.shape, dtype=dtype, device=t.device))
+
+
+def _final_loss_without_grad(s: StageBackend, c: _Consts, o, x_in, w_o, gamma_mlp, w_gu, w_down,
+                             gamma_final, w_lm, targets) -> torch.Tensor:
+    """`_FinalLossFn`'s loss alone (evaluation): the LSE epilogue of one logits GEMM, no gradients."""
+    _, _, h2, r2 = _mlp_forward(s, c, o, x_in, w_o, gamma_mlp, w_gu, w_down, gamma_final)
+    lse, target_logit = s.gemm_rstd_lse(h2, w_lm, r2, targets)
+    return torch.where(targets != IGNORE_INDEX, lse - target_logit, 0.0).sum()
 
 
 class _FinalLogitsFn(torch.autograd.Function):
@@ -352,6 +351,8 @@ class CodaFinalLayer(_ShiftedLayer):
         with torch.autocast(x.device.type, enabled=False):
             if targets is None:
                 return _FinalLogitsFn.apply(o, x, *params, step.stages, self.consts)
+            if not torch.is_grad_enabled():
+                return _final_loss_without_grad(step.stages, self.consts, o, x, *params, targets)
             return _FinalLossFn.apply(o, x, *params, targets, step.stages, self.consts, self.head_chunk_rows)
 
 
@@ -387,7 +388,7 @@ class CodaLlama(nn.Module):
 
     backend: stage backend (reference | cute); attention: sdpa | fa4, both looked up once, here.
     device: where the model will run, to check that the kernels run there (None: not checked).
-    head_chunk_rows: rows per chunk of the LM-head backward (default: the backend's
+    head_chunk_rows: rows per chunk of the LM head (`lm_head_ce`; default: the backend's
     `head_chunk_rows(V)`).
     """
 

@@ -32,8 +32,8 @@ from codatrain.kernels.stages import IGNORE_INDEX, get_backend  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-# Rows of an LM-head backward chunk that is not a multiple of any tile, so that chunks after the
-# first start off 16-byte alignment (the model's default chunks avoid both; other values work).
+# Rows of a chunk that is not a multiple of any tile, so that chunks after the first start off
+# 16-byte alignment.
 HEAD_CHUNK_ROWS = 1046
 
 
@@ -102,7 +102,8 @@ def test_gemm_rms_bwd(backends, shape, residual, use_compile):
 
 
 def test_gemm_rms_bwd_on_unaligned_row_slices(backends, use_compile):
-    """The LM-head backward passes row slices of rstd and zdz that start off 16-byte alignment."""
+    """Row slices of rstd and zdz that start off 16-byte alignment (a caller working in row
+    chunks passes such slices)."""
     cute, ref = backends
     s = SHAPES[1]
     m, d, n = 2 * HEAD_CHUNK_ROWS, s.dim, 1024
@@ -126,22 +127,35 @@ def test_gemm_dswiglu(backends, shape, use_compile):
     check("zdz", out.zdz, bf16.zdz, fp32.zdz)
 
 
-def test_gemm_rstd_ce_bwd(backends, shape, use_compile):
-    """One LM-head chunk: logits recomputed, dlogits, ZdZ; ignored rows get zero gradients."""
+# (name, rows, d, V, chunk rows, takes the scaled-exp pipeline)
+HEAD_CASES = [
+    ("8b-chunk=d", 8192, 4096, 128256, 4096, False),  # a chunk as high as d: the base pipeline
+    ("8b-chunks-2048", 8192, 4096, 128256, 2048, True),
+    ("ragged-vocab", 1000, 1024, 50264, 4096, False),  # V not a multiple of 128: base
+    ("ragged-rows", 1000, 1024, 128256, 256, True),  # the last chunk padded to 256 rows
+    ("odd-rows", 1001, 1024, 50264, 512, False),  # rows padded to a multiple of 8
+]
+
+
+@pytest.mark.parametrize("case", HEAD_CASES, ids=lambda c: c[0])
+def test_lm_head_ce(backends, case, use_compile):
+    """The training head (final norm, LM head, cross-entropy, all gradients) against the reference;
+    ignored rows get no loss and no gradient."""
+    from codatrain.kernels.cute import head
+
     cute, ref = backends
-    m = min(shape.tokens, HEAD_CHUNK_ROWS)
-    targets = torch.randint(0, shape.vocab, (m,), device=DEVICE)
+    _, m, d, v, chunk_rows, scaled_exp = case
+    assert head.scaled_exp_applies(m, d, v, chunk_rows) == scaled_exp
+    targets = torch.randint(0, v, (m,), device=DEVICE)
     ignored = torch.rand(m, device=DEVICE) < 0.1
     targets[ignored] = IGNORE_INDEX
-    h, w, r = randn(m, shape.dim), randn(shape.vocab, shape.dim, scale=3 * shape.dim**-0.5), rstd_of(m)
-    lse = ref.gemm_rstd_lse(h.float(), w.float(), r, targets).lse
-    grad_scale = torch.tensor(1.0 / (~ignored).sum().item(), device=DEVICE)
-    args = (h, w, r, targets, lse, grad_scale)
-    out = staged(cute.gemm_rstd_ce_bwd, use_compile)(*args)
-    bf16, fp32 = run_both(ref, "gemm_rstd_ce_bwd", *args)
-    check("dlogits", out.dlogits, bf16.dlogits, fp32.dlogits)
-    check("zdz", out.zdz, bf16.zdz, fp32.zdz)
-    assert (out.dlogits[ignored] == 0).all() and (out.zdz[ignored] == 0).all()
+    args = (randn(m, d), gamma(d), randn(v, d, scale=3 * d**-0.5), targets)
+    kwargs = {"eps": 1e-5, "chunk_rows": chunk_rows}
+    out = staged(cute.lm_head_ce, use_compile)(*args, **kwargs)
+    bf16, fp32 = run_both(ref, "lm_head_ce", *args, **kwargs)
+    for name in ("loss", "dx", "dgamma", "dweight"):
+        check(name, getattr(out, name), getattr(bf16, name), getattr(fp32, name))
+    assert (out.loss[ignored] == 0).all() and (out.dx[ignored] == 0).all()
 
 
 def test_dgrad(backends, shape, use_compile):

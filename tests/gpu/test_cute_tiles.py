@@ -58,13 +58,17 @@ def test_mlp_norm_dgamma_over_row_tiles(backends):
     check_norm_backward(cute, ref, dpreact, randn(2 * f, d, scale=(2 * f) ** -0.5), zdz, residual=True)
 
 
-def test_final_norm_dgamma_over_row_tiles(backends):
+@pytest.mark.parametrize("chunk_rows", [128, 256], ids=["chunks-128x3", "chunks-256+44"])
+def test_final_norm_dgamma_over_row_chunks_of_the_head(backends, chunk_rows):
+    """The training head's dγ and dW summed over all its chunks (both QuACK pipelines: the ragged
+    vocabulary takes the base one, a multiple of 128 the scaled-exp one)."""
     cute, ref = backends
-    d, v = SHAPE.dim, SHAPE.vocab
-    targets = torch.randint(0, v, (M,), device=DEVICE)
-    targets[::7] = IGNORE_INDEX
-    h, w, r = randn(M, d), randn(v, d, scale=3 * d**-0.5), rstd_of(M)
-    lse = ref.gemm_rstd_lse(h.float(), w.float(), r, targets).lse
-    grad_scale = torch.tensor(1.0 / (targets != IGNORE_INDEX).sum().item(), device=DEVICE)
-    dlogits, zdz = cute.gemm_rstd_ce_bwd(h, w, r, targets, lse, grad_scale)
-    check_norm_backward(cute, ref, dlogits, w, zdz, residual=False)
+    d = SHAPE.dim
+    for v in (SHAPE.vocab, 128 * 393):
+        targets = torch.randint(0, v, (M,), device=DEVICE)
+        targets[::7] = IGNORE_INDEX
+        args = (randn(M, d), gamma(d), randn(v, d, scale=3 * d**-0.5), targets)
+        out = cute.lm_head_ce(*args, eps=1e-5, chunk_rows=chunk_rows)
+        bf16, fp32 = run_both(ref, "lm_head_ce", *args, eps=1e-5, chunk_rows=chunk_rows)
+        for name in ("dx", "dgamma", "dweight"):
+            check(f"V={v} {name}", getattr(out, name), getattr(bf16, name), getattr(fp32, name))

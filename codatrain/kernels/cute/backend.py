@@ -4,21 +4,22 @@ A stage is three pieces: its epilogue (epilogues.py, or QuACK's), an out-style c
 launches the kernel (gemm_stages.py, gemm_bwd_stages.py, rowwise.py, entry.py), and the method
 here, which checks dtypes, allocates the outputs, calls the op and names the results. The fused
 stages are CuTeDSL kernels (QuACK's GEMM with a CODA epilogue, or a row kernel); the rstd
-reduction is QuACK's; plain dgrad/wgrad GEMMs, with nothing to fuse, are cuBLAS calls (faster
-than QuACK's untuned default at every layer shape).
+reduction and the LM head's fused linear cross-entropy (head.py) are QuACK's; plain dgrad/wgrad
+GEMMs, with nothing to fuse, are cuBLAS calls (faster than QuACK's untuned default at every layer
+shape).
 """
 
 from __future__ import annotations
 
 import torch
 
-from codatrain.kernels.cute import entry, gemm_bwd_stages, gemm_stages, rowwise
+from codatrain.kernels.cute import entry, gemm_bwd_stages, gemm_stages, head, rowwise
 from codatrain.kernels.cute.common import empty
 from codatrain.kernels.stages import (
     IGNORE_INDEX,
-    CeBwdOut,
     DSwigluOut,
     EntryOut,
+    HeadLossOut,
     LseOut,
     ResidualOut,
     RmsBwdOut,
@@ -126,6 +127,21 @@ class CuteStages(StageBackend):
         gemm_stages.gemm_rstd_lse(h, weight, rstd, targets, *out, ignore_index)
         return out
 
+    def lm_head_ce(
+        self,
+        x: torch.Tensor,
+        gamma: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        eps: float,
+        chunk_rows: int,
+        ignore_index: int = IGNORE_INDEX,
+    ) -> HeadLossOut:
+        _check_activations("lm_head_ce", x, gamma, weight)
+        out = head.lm_head_ce(x.contiguous(), gamma, weight, targets, eps, chunk_rows, ignore_index)
+        return HeadLossOut(*out)
+
     # ---- backward --------------------------------------------------------------------------
 
     def rope_bwd(
@@ -143,23 +159,6 @@ class CuteStages(StageBackend):
         rowwise.rope_bwd(
             dqkv.contiguous(), qkv.contiguous(), positions, *out, head_dim, rope_heads, float(rope_theta)
         )
-        return out
-
-    def gemm_rstd_ce_bwd(
-        self,
-        h: torch.Tensor,
-        weight: torch.Tensor,
-        rstd: torch.Tensor,
-        targets: torch.Tensor,
-        lse: torch.Tensor,
-        grad_scale: torch.Tensor,
-        *,
-        ignore_index: int = IGNORE_INDEX,
-    ) -> CeBwdOut:
-        _check_activations("gemm_rstd_ce_bwd", h, weight)
-        m = h.shape[0]
-        out = CeBwdOut(empty(m, weight.shape[0], like=h), empty(m, like=h, dtype=STAT))
-        gemm_bwd_stages.gemm_rstd_ce_bwd(h, weight, rstd, targets, lse, grad_scale, *out, ignore_index)
         return out
 
     def row_dot(self, z: torch.Tensor, dz: torch.Tensor) -> torch.Tensor:

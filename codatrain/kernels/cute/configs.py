@@ -43,7 +43,6 @@ _CONFIGS: dict[str, GemmConfig] = {
     # dSwiGLU's epilogue reads the pre-activation and writes two tensors per output element of a
     # short (K = d) mainloop: 128×128 tiles hide that traffic behind the next tile's mainloop.
     "dswiglu": _PINGPONG_128x128,
-    "ce_bwd": _PINGPONG_128x192,  # LM-head cross-entropy backward
 }
 _overrides: dict[str, GemmConfig] = {}
 

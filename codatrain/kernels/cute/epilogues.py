@@ -23,10 +23,8 @@ from __future__ import annotations
 
 from quack.activation import swiglu
 from quack.epilogue.frontend import gemm_epilogue, pack, unpack
-from quack.epilogue.math import pexp
 from quack.epilogue.ops import (
     ColVecLoad,
-    ColVecReduce,
     ColVecSelect,
     OnlineLSEReduce,
     RowVecLoad,
@@ -101,25 +99,3 @@ def rms_bwd_residual_epi(acc, c, x, gamma, rstd, zdz, inv_dim):
     """RMSNorm backward plus the residual-path gradient C of the same x."""
     xr = x * rstd
     return {"D": rstd * (acc * gamma - xr * (zdz * inv_dim)) + c, "n": xr * gamma, "dgamma": (acc, xr)}
-
-
-_ce_target_index = ColVecLoad("target")
-
-
-@gemm_epilogue(
-    ops={"rstd": ColVecLoad("rstd"), "lse": ColVecLoad("lse"), "scale": ColVecLoad("scale")},
-    outs={
-        "zdz": ColVecReduce("zdz", scaled=True),
-        "target_logit": ColVecSelect("target_logit", idx_op=_ce_target_index),
-    },
-    extra_ops=(_ce_target_index,),
-)
-def rstd_ce_bwd_epi(acc, rstd, lse, scale):
-    """Cross-entropy backward of the LM head without the one-hot term: logits = rstd ⊙ acc,
-    D = scale·softmax(logits) (scale: the row's loss gradient, 0 on ignored rows), per-column-tile
-    partials of Σ logits·D, and the target logit. The one-hot term touches one column per row;
-    the stage subtracts it afterwards (an M-element scatter) instead of comparing every column
-    index against the target in the epilogue."""
-    logits = acc * rstd
-    dlogits = scale * pexp(logits - lse)
-    return {"D": dlogits, "zdz": (logits, dlogits), "target_logit": logits}

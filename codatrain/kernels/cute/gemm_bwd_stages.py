@@ -19,7 +19,7 @@ from torch import Tensor
 
 from codatrain.kernels.cute.common import aligned16
 from codatrain.kernels.cute.configs import gemm_config
-from codatrain.kernels.cute.epilogues import rms_bwd_epi, rms_bwd_residual_epi, rstd_ce_bwd_epi
+from codatrain.kernels.cute.epilogues import rms_bwd_epi, rms_bwd_residual_epi
 from codatrain.kernels.cute.torch_op import stage_op
 
 # ---- RMSNorm backward in the consumer's dgrad ----------------------------------------------------
@@ -73,43 +73,6 @@ def gemm_dswiglu(
     )
     # QuACK sums the per-column-tile partials of dsum into the (M,) row sum.
     zdz.copy_(result["dsum"])
-
-
-# ---- cross-entropy backward of the LM head ------------------------------------------------------
-
-
-@stage_op("cute_gemm_rstd_ce_bwd", mutates_args=("dlogits", "zdz"))
-def gemm_rstd_ce_bwd(
-    h: Tensor, weight: Tensor, rstd: Tensor, targets: Tensor, lse: Tensor, grad_scale: Tensor,
-    dlogits: Tensor, zdz: Tensor, ignore_index: int,
-) -> None:
-    """dlogits = grad_scale·(softmax(rstd ⊙ h·Wᵀ) − onehot(target)) (zero on ignored rows) and
-    zdz = Σ_v logits·dlogits, with the logits recomputed in the GEMM and never written."""
-    m = h.shape[0]
-    valid = targets != ignore_index
-    scale = torch.where(valid, grad_scale, 0.0).to(torch.float32)
-    # The select writes only rows whose target lies in [0, V): ignored rows keep this zero.
-    target_logit = torch.zeros(m, dtype=torch.float32, device=h.device)
-    result = rstd_ce_bwd_epi(
-        h,
-        weight.t(),
-        out={"D": dlogits},
-        config=gemm_config("ce_bwd"),
-        tuned=False,
-        rstd=aligned16(rstd),
-        lse=aligned16(lse),
-        scale=scale,
-        target=torch.where(valid, targets, -1),
-        target_logit=target_logit,
-    )
-    # The one-hot term −scale at each row's target column: the epilogue wrote scale·p_t there,
-    # rewrite it as scale·(p_t − 1) from the fp32 target logit (one rounding, as in the
-    # reference), and take scale·ℓ_t off Σ ℓ·dℓ. Ignored rows have scale 0: they write 0 to
-    # column 0, which already holds 0.
-    column = torch.where(valid, targets, 0)[:, None]
-    onehot_grad = scale * torch.expm1(target_logit - lse)
-    dlogits.scatter_(1, column, onehot_grad[:, None].to(dlogits.dtype))
-    torch.sub(result["zdz"], scale * target_logit, out=zdz)
 
 
 # ---- plain dgrad and wgrad ----------------------------------------------------------------------

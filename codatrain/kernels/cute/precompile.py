@@ -43,16 +43,19 @@ from unittest import mock
 import quack.cute_dsl_utils
 import quack.gemm_interface
 import quack.gemm_tvm_ffi_utils
+import quack.linear_cross_entropy
 import torch
 from flash_attn.cute import flash_attn_func
 from flash_attn.cute.interface import BIN_BATCH_SEARCH_THRESH, _flash_attn_bwd
 from quack.cache import CacheInfo
+from quack.cross_entropy import CrossEntropy
 from quack.cute_dsl_utils import torch2cute_dtype_map
 from quack.rms_final_reduce import _compile_rms_final_reduce
+from quack.rmsnorm import _bucket_T_hint, _compile_rmsnorm_bwd, _compile_rmsnorm_fwd
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from codatrain.kernels.attention import Documents, causal_attention
-from codatrain.kernels.cute import CuteStages, entry, rowwise
+from codatrain.kernels.cute import CuteStages, entry, head, rowwise
 from codatrain.kernels.cute.attention import varlen_backward, varlen_forward
 from codatrain.kernels.precompile import KernelShapes
 from codatrain.kernels.stages import IGNORE_INDEX
@@ -111,8 +114,8 @@ def _qkv_dim(s: KernelShapes) -> int:
 
 
 def _head_rows(s: KernelShapes) -> int:
-    """Rows per chunk of the LM-head backward, as `CodaLlama` chooses them by default."""
-    return min(_tokens(s), CuteStages().head_chunk_rows(s.vocab_size))
+    """Rows per chunk of the LM head, as `CodaLlama` chooses them by default."""
+    return CuteStages().head_chunk_rows(s.vocab_size)
 
 
 # ---- the stage families -----------------------------------------------------------------------
@@ -179,25 +182,8 @@ def backward_kernels(s: KernelShapes) -> list[KernelSpec]:
     if not s.stages:
         return []
     st, m, d, f = CuteStages(), _tokens(s), s.dim, s.ffn_dim
-    vocab, rows = s.vocab_size, _head_rows(s)
     return [
-        KernelSpec(
-            "LM head cross-entropy backward",
-            lambda: st.gemm_rstd_ce_bwd(
-                _act(rows, d), _act(vocab, d), _stat(rows), _index(rows), _stat(rows), _stat(),
-                ignore_index=IGNORE_INDEX,
-            ),
-        ),
-        KernelSpec(
-            "final-norm backward in the LM-head dgrad",
-            lambda: st.gemm_rms_bwd(
-                _act(rows, vocab), _act(vocab, d), _act(rows, d), _act(d), _stat(rows), _stat(rows)
-            ),
-        ),
-        KernelSpec(
-            "LM-head wgrad, accumulated in fp32",
-            lambda: st.wgrad(_act(rows, vocab), _act(rows, d), accumulate_into=_stat(vocab, d)),
-        ),
+        *head_kernels(s),
         KernelSpec(
             "dSwiGLU in the down-proj dgrad", lambda: st.gemm_dswiglu(_act(m, d), _act(d, f), _act(m, 2 * f))
         ),
@@ -210,8 +196,39 @@ def backward_kernels(s: KernelShapes) -> list[KernelSpec]:
         # rope_bwd and row_dot launch the same row-wise kernel, with and without the rotation.
         KernelSpec("RoPE backward + ZdZ", lambda: rowwise.compile_row_dot(_cute(ACT), _qkv_dim(s), True)),
         KernelSpec(
-            "row dot, ZdZ of the full-logits head", lambda: rowwise.compile_row_dot(_cute(ACT), vocab, False)
+            "row dot, ZdZ of the full-logits head",
+            lambda: rowwise.compile_row_dot(_cute(ACT), s.vocab_size, False),
         ),
+    ]
+
+
+def head_kernels(s: KernelShapes) -> list[KernelSpec]:
+    """The training head (`head.lm_head_ce`): QuACK's RMSNorm forward and backward row kernels,
+    and the GEMMs (and, on the base pipeline, the cross-entropy row kernel) of its linear
+    cross-entropy. The scaled-exp pipeline's two small Triton kernels compile at their first
+    launch, into Triton's own disk cache, in about a second."""
+    m, d, vocab, rows = _tokens(s), s.dim, s.vocab_size, _head_rows(s)
+    bf16 = _cute(ACT)
+
+    def cross_entropy_compile_only(x, target, target_logit, loss, lse, dx, weight, ignore_index):
+        # What `cross_entropy_fwd_out` compiles before it launches (the base pipeline's call).
+        del target_logit, loss, ignore_index
+        return CrossEntropy.compile(
+            bf16, _cute(target.dtype), None, x.shape[1], lse is not None, dx is not None, weight, None
+        )
+
+    def linear_cross_entropy() -> object:
+        lce = quack.linear_cross_entropy
+        with mock.patch.object(lce, "lce_glue", lambda *args, **kwargs: None), \
+                mock.patch.object(lce, "cross_entropy_fwd_out", cross_entropy_compile_only):
+            return head.linear_cross_entropy(_act(m, d), _act(vocab, d), _index(m), rows, IGNORE_INDEX)
+
+    return [
+        KernelSpec("final RMSNorm", lambda: _compile_rmsnorm_fwd(bf16, bf16, None, bf16, None, None, d, True,
+                                                                 False, False, False)),
+        KernelSpec("LM head linear cross-entropy, loss and gradients", linear_cross_entropy),
+        KernelSpec("final RMSNorm backward", lambda: _compile_rmsnorm_bwd(
+            d, bf16, bf16, bf16, bf16, False, None, None, True, False, T_hint=_bucket_T_hint(m))),
     ]
 
 

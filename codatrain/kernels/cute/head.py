@@ -1,0 +1,110 @@
+"""The final RMSNorm, LM head and cross-entropy in the fused-linear-cross-entropy order, on QuACK.
+
+Three pieces, all QuACK's:
+1. its RMSNorm row kernel writes n = rstd ⊙ x ⊙ γ once. The head's weight gradient needs n as a
+   GEMM operand (dW = dlogitsᵀ·n) whatever the logits GEMM does, so folding the row scale into
+   that GEMM's epilogue instead would still leave n to be written;
+2. its chunked linear cross-entropy (`quack.linear_cross_entropy`): per chunk of rows the logits
+   GEMM once, loss and dlogits in place of the logits, dn = dlogits·W and dW += dlogitsᵀ·n in
+   fp32. The scaled-exp pipeline (dlogits as bf16 exponentials with per-tile power-of-two
+   offsets, so no row pass over them) where it applies, the base pipeline elsewhere;
+3. its RMSNorm-backward row kernel on dn, which forms the ZdZ row sum Σ n·dn itself.
+The op is functional (QuACK allocates its outputs), with a fake for torch.compile.
+"""
+
+from __future__ import annotations
+
+import torch
+from quack.gemm_interface import gemm, gemm_add_inplace
+from quack.linear_cross_entropy import chunked_linear_cross_entropy_fwd, scaled_exp_linear_cross_entropy_fwd
+from quack.rmsnorm import rmsnorm_fwd
+from quack.rmsnorm_config import get_sm_count
+from torch import Tensor
+
+# The scaled-exp pipeline pads its last chunk to whole 128-row tiles and tiles the vocabulary by
+# 128 rows in its weight-gradient GEMM; the base pipeline's GEMMs need rows in multiples of 8
+# (16-byte TMA rows of bf16).
+SCALED_EXP_TILE = 128
+BASE_ROWS = 8
+
+
+def chunk_heights(rows: int, chunk_rows: int, multiple: int) -> set[int]:
+    """The row counts of the chunks a pipeline launches over `rows` rows (the last one padded)."""
+    last = rows - (rows - 1) // chunk_rows * chunk_rows
+    return {min(rows, chunk_rows), -(-last // multiple) * multiple}
+
+
+def scaled_exp_applies(rows: int, dim: int, vocab_size: int, chunk_rows: int) -> bool:
+    """Whether the head takes QuACK's scaled-exp pipeline (bf16 on sm_90, as the cute backend
+    always is): V and the chunks in whole 128-row tiles, d in 16-byte rows, and no chunk exactly
+    d rows high. QuACK 0.6.5 infers the orientation of its per-row dx scale from the GEMM shape,
+    which such a chunk makes ambiguous ("m == n makes row/col inference ambiguous")."""
+    return (
+        vocab_size % SCALED_EXP_TILE == 0 and chunk_rows % SCALED_EXP_TILE == 0 and dim % 8 == 0
+        and dim not in chunk_heights(rows, chunk_rows, SCALED_EXP_TILE)
+    )
+
+
+def _padded(t: Tensor, rows: int, value: float | int) -> Tensor:
+    """`t` with rows appended up to `rows`, filled with `value`."""
+    if t.shape[0] == rows:
+        return t
+    pad = torch.full((rows - t.shape[0], *t.shape[1:]), value, dtype=t.dtype, device=t.device)
+    return torch.cat([t, pad])
+
+
+def _base_pipeline(n: Tensor, weight: Tensor, targets: Tensor, chunk_rows: int,
+                   ignore_index: int) -> tuple[Tensor, Tensor, Tensor]:
+    """QuACK's base chunked pipeline, with its last chunk's weight gradient (which it leaves to a
+    backward that scales it) added here: our backward scales every gradient at once."""
+    rows = -(-n.shape[0] // BASE_ROWS) * BASE_ROWS
+    # Padded rows are zeros with ignored targets: no loss and no gradient.
+    n_pad, targets_pad = _padded(n, rows, 0.0), _padded(targets, rows, ignore_index)
+    loss, dn, dweight, last_dlogits, last_n = chunked_linear_cross_entropy_fwd(
+        n_pad, weight, targets_pad, chunk_rows, ignore_index, tuned=False
+    )
+    if dweight is None:
+        dweight = gemm(last_dlogits.T, last_n, out_dtype=torch.float32, tuned=False)
+    else:
+        gemm_add_inplace(last_dlogits.T, last_n, dweight, tuned=False)
+    return loss, dn, dweight
+
+
+def linear_cross_entropy(n: Tensor, weight: Tensor, targets: Tensor, chunk_rows: int,
+                         ignore_index: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss, dn, dW fp32) of Σ cross-entropy(n·Wᵀ) over QuACK's pipelines; loss and dn may carry
+    padded rows past n's."""
+    if scaled_exp_applies(n.shape[0], n.shape[1], weight.shape[0], chunk_rows):
+        return scaled_exp_linear_cross_entropy_fwd(n, weight, targets, chunk_rows, ignore_index)
+    return _base_pipeline(n, weight, targets, chunk_rows, ignore_index)
+
+
+def _lm_head_ce(x: Tensor, gamma: Tensor, weight: Tensor, targets: Tensor, eps: float, chunk_rows: int,
+                ignore_index: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    m, d = x.shape
+    n, _, rstd = rmsnorm_fwd(x, gamma, eps=eps, store_rstd=True)
+    loss, dn, dweight = linear_cross_entropy(n, weight, targets, chunk_rows, ignore_index)
+    sm_count = get_sm_count(d, x.device)
+    dx, dgamma_partials = torch.ops.quack.rmsnorm_bwd_f(x, gamma, dn[:m], rstd, None, sm_count)
+    return loss[:m].clone() if loss.shape[0] != m else loss, dx, dgamma_partials.sum(0), dweight
+
+
+_lm_head_ce_op = torch.library.custom_op(
+    "codatrain::cute_lm_head_ce", _lm_head_ce, mutates_args=(), device_types="cuda"
+)
+
+
+@_lm_head_ce_op.register_fake
+def _(x, gamma, weight, targets, eps, chunk_rows, ignore_index):
+    m, d = x.shape
+    return (x.new_empty(m, dtype=torch.float32), torch.empty_like(x), x.new_empty(d, dtype=torch.float32),
+            weight.new_empty(weight.shape, dtype=torch.float32))
+
+
+def lm_head_ce(x: Tensor, gamma: Tensor, weight: Tensor, targets: Tensor, eps: float, chunk_rows: int,
+               ignore_index: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(loss (M,), dx (M, d), dγ (d,) fp32, dW (V, d) fp32) for a unit gradient of Σ loss. Under
+    torch.compile through the custom op (one graph node); in eager mode around it (the dispatcher
+    costs tens of microseconds, see torch_op.stage_op)."""
+    fn = _lm_head_ce_op if torch.compiler.is_compiling() else _lm_head_ce
+    return fn(x, gamma, weight, targets, eps, chunk_rows, ignore_index)
