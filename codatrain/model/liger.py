@@ -1,14 +1,17 @@
-"""The eager Llama with liger-kernel's Triton kernels (block=liger): the benchmarks' peer for memory
+"""The eager Llama with liger-kernel's kernels (block=liger): the benchmarks' peer for memory
 savings without custom kernels of our own.
 
-Liger replaces RMSNorm, SwiGLU, RoPE, and the LM head with its cross-entropy (fused, so the logits
-of a whole batch never exist at once); the matmuls, the attention and the residual adds stay
-PyTorch's. The modules are the eager model's, their classes swapped for subclasses that override
-only `forward` (or the RoPE/head hooks), so the parameters, their names, `layout()`, `blocks()`,
-init, checkpoints and HF export are the eager model's.
+Liger replaces RMSNorm, SwiGLU, RoPE, and the LM head + loss with its fused linear cross-entropy
+(the logits of a whole batch never exist at once; without targets the head stays a plain matmul);
+the matmuls, the attention and the residual adds stay PyTorch's. The modules are the eager
+model's, their classes swapped for subclasses that override only `forward` (or the RoPE/head
+hooks), so the parameters, their names, `layout()`, `blocks()`, init, checkpoints and HF export
+are the eager model's. RoPE goes through Liger's dispatcher, as its HF integration does: Triton,
+or on Hopper with CuTeDSL installed its CuTeDSL kernel at the shapes where Liger measured it faster.
 
-liger-kernel is imported only when a forward runs: the module imports, and the model builds on
-the meta device, without it. `check_liger` says early (at build, given the device) when it cannot run.
+liger-kernel is imported by `check_liger` (at build, given the device: an early, clear error where
+it cannot run) and by the forwards; the module imports, and the model builds without a device
+(on the meta device, say), without it.
 """
 
 from __future__ import annotations
