@@ -25,6 +25,7 @@ from codatrain.model.config import LlamaConfig, get_preset
 class BlockImpl(StrEnum):
     eager = "eager"
     coda = "coda"
+    liger = "liger"  # eager on liger-kernel's Triton kernels (codatrain/model/liger.py)
 
 
 class StageBackendChoice(StrEnum):
@@ -139,7 +140,7 @@ class BlockConfig:
     attention: AttentionChoice = AttentionChoice.auto
 
     def __post_init__(self) -> None:
-        if self.impl == BlockImpl.eager:
+        if self.impl != BlockImpl.coda:
             for key in ("backend", "attention"):
                 if getattr(self, key) != "auto":
                     raise ValueError(

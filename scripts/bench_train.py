@@ -16,6 +16,11 @@ prints a table; `--replot` redraws the chart and the table from such JSONs (`FIL
 variants a and b of FILE; a variant in a later file replaces one of the same name). `--profile N`
 profiles N more steps after the timed ones (a torch.profiler summary per variant, named in the
 JSON).
+
+Variants (`--variants`, names from codatrain/train/runs.py VARIANTS): eager, compile (eager +
+torch.compile), coda, coda_compile, coda_reference, and liger: the eager model with liger-kernel
+0.8.5's fused RMSNorm, SwiGLU, RoPE and fused linear cross-entropy, the peer for memory savings
+without custom kernels (a CUDA GPU and `pip install 'codatrain[liger]'`).
 """
 
 from __future__ import annotations

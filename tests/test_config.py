@@ -84,7 +84,13 @@ def test_a_bad_choice_fails_the_script_in_one_line(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), "block.impl=fast",
                            f"train.run_dir={tmp_path}"], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert "block.impl" in proc.stderr and "expected one of [eager, coda]" in proc.stderr
+    assert "block.impl" in proc.stderr and "expected one of [eager, coda, liger]" in proc.stderr
+
+
+def test_liger_block_composes_and_refuses_coda_options():
+    assert validate(load_config(["block=liger"])).block.impl == "liger"
+    with pytest.raises(ValueError, match="block.backend='cute' chooses the CODA block's kernels"):
+        validate(load_config(["block=liger", "block.backend=cute"]))
 
 
 # ---- training recipes: one per model config (configs/model/<preset>.yaml) -----------------------

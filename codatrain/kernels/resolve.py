@@ -1,6 +1,6 @@
 """Which kernels run a block: the one place where ``auto`` is decided.
 
-A run names its block as three strings (impl eager | coda, the coda stage backend, the coda
+A run names its block as three strings (impl eager | coda | liger, the coda stage backend, the coda
 attention); ``auto`` means the CuTeDSL kernels on an sm_90 GPU where they load, else the
 PyTorch ones. `resolve_block` turns the three into names that the model, the kernel cache and
 the precompile script then all read, so they cannot disagree.
@@ -19,9 +19,9 @@ from codatrain.kernels.stages import BackendUnavailableError, get_backend, is_sm
 
 @dataclass(frozen=True)
 class ResolvedBlock:
-    impl: str  # eager | coda
-    backend: str | None  # coda stage backend: reference | cute (None for eager)
-    attention: str | None  # coda attention: sdpa | fa4 (None for eager)
+    impl: str  # eager | coda | liger
+    backend: str | None  # coda stage backend: reference | cute (None otherwise)
+    attention: str | None  # coda attention: sdpa | fa4 (None otherwise)
 
     @property
     def cute_stages(self) -> bool:

@@ -18,12 +18,12 @@ def build_model(
     attention: str | None = "sdpa",
     device: torch.device | None = None,
 ) -> nn.Module:
-    """The model for block `impl` (eager | coda); both implementations share the canonical state.
+    """The model for block `impl` (eager | coda | liger); all of them share the canonical state.
 
     backend (reference | cute) and attention (sdpa | fa4) choose the CODA kernels, as
-    `codatrain.kernels.resolve.resolve_block` resolved them (no ``auto`` here); eager ignores them.
-    With `device`, kernels that cannot run there (backend cute off Hopper, say) are an error now
-    rather than at the first forward.
+    `codatrain.kernels.resolve.resolve_block` resolved them (no ``auto`` here); eager and liger
+    ignore them. With `device`, kernels that cannot run there (backend cute off Hopper, liger off
+    CUDA or without liger-kernel, say) are an error now rather than at the first forward.
     """
     if impl == "eager":
         return Llama(cfg)
@@ -31,4 +31,8 @@ def build_model(
         from codatrain.model.coda import CodaLlama
 
         return CodaLlama(cfg, backend=backend, attention=attention, device=device)
-    raise ValueError(f"block.impl={impl!r} is not one of eager, coda")
+    if impl == "liger":
+        from codatrain.model.liger import LigerLlama
+
+        return LigerLlama(cfg, device=device)
+    raise ValueError(f"block.impl={impl!r} is not one of eager, coda, liger")

@@ -98,7 +98,7 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2).split(
             [self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=1
         )
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.rotate(q, k, cos, sin)
         if cache is not None:
             # The T new queries sit at positions past..past+T-1 and see every key up to their own
             # (is_causal would align the mask to the top left, i.e. to position 0).
@@ -112,6 +112,12 @@ class Attention(nn.Module):
         else:
             out = document_attention(q, k, v, documents)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+    def rotate(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE on the (B, H, T, d_h) queries and keys; block=liger swaps in its kernel here."""
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
 class MLP(nn.Module):
@@ -204,5 +210,10 @@ class Llama(nn.Module):
                 x = layer(x, cos, sin, documents)
             else:
                 x = layer(x, cos, sin, documents, cache.layers[i])
-        logits = self.lm_head(self.norm(x))
+        return self.head(self.norm(x), targets, reduction)
+
+    def head(self, h: torch.Tensor, targets: torch.Tensor | None, reduction: str) -> torch.Tensor:
+        """The LM head on the final normed states h (B, T, d): logits, or with targets the loss
+        (`lm_loss`); block=liger fuses the two here."""
+        logits = self.lm_head(h)
         return logits if targets is None else lm_loss(logits, targets, reduction)

@@ -28,6 +28,7 @@ VARIANTS: dict[str, list[str]] = {
     "coda": ["block=coda"],
     "coda_compile": ["block=coda", "train.compile=true"],
     "coda_reference": ["block=coda", "block.backend=reference"],
+    "liger": ["block=liger"],  # the eager model on liger-kernel's fused RMSNorm, SwiGLU, RoPE, head + loss
 }
 
 
@@ -103,7 +104,7 @@ def software_versions() -> dict[str, str | None]:
 
     versions: dict[str, str | None] = {"torch": torch.__version__, "cuda": torch.version.cuda}
     versions["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    for package in ("nvidia-cutlass-dsl", "quack-kernels", "flash-attn-4"):
+    for package in ("nvidia-cutlass-dsl", "quack-kernels", "flash-attn-4", "liger-kernel"):
         try:
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
