@@ -26,7 +26,8 @@ from codatrain.config import DataConfig, DataFormat, DataSource
 from codatrain.data.packing import Batch, PackedWindows, SyntheticWindows, collate
 from codatrain.data.sft import SFTWindows, build_sft_datasets
 from codatrain.data.sources import Source, embedded_source, files_source, hub_source
-from codatrain.data.token_cache import TokenStream, tokenize_source
+from codatrain.data.token_cache import tokenize_source
+from codatrain.data.token_shards import TokenShards
 from codatrain.data.tokenizer import Tokenizer, load_tokenizer
 
 # Windows in each split of the synthetic source: far more than any benchmark reads in an epoch.
@@ -133,8 +134,8 @@ class Streams:
     """The tokenized data of a config: training stream, validation stream (if any), and tokenizer."""
 
     tokenizer: Tokenizer
-    train: TokenStream
-    val: TokenStream | None
+    train: TokenShards
+    val: TokenShards | None
 
 
 def build_loaders(
@@ -206,10 +207,10 @@ def prepare_streams(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> Stre
     held_out = cfg.val_fraction if val_source is None else 0.0
     streams = tokenize_source(main, tokenizer, cache_root, held_out)
     if val_source is not None:
-        val = tokenize_source(val_source, tokenizer, cache_root, 0.0)["documents"]
+        val = tokenize_source(val_source, tokenizer, cache_root, 0.0)["train"]
     else:
-        val = streams.get("held_out")
-    return Streams(tokenizer, streams["documents"], val)
+        val = streams.get("val")
+    return Streams(tokenizer, streams["train"], val)
 
 
 def _sources(cfg: DataConfig) -> tuple[Source, Source | None]:
@@ -240,7 +241,8 @@ def _sources(cfg: DataConfig) -> tuple[Source, Source | None]:
 def unigram_entropy(cfg: DataConfig) -> float:
     """Entropy in nats per token of the training stream's token frequencies (BOS/EOS included): the
     loss of the best model that ignores context, so a model that learns anything goes below it."""
-    tokens = prepare_streams(cfg).train.tokens
-    counts = np.bincount(tokens)
-    p = counts[counts > 0] / len(tokens)
+    streams = prepare_streams(cfg)
+    vocab_size = streams.tokenizer.vocab_size
+    counts = sum(np.bincount(tokens, minlength=vocab_size) for tokens, _ in streams.train.arrays())
+    p = counts[counts > 0] / streams.train.num_tokens
     return float(-(p * np.log(p)).sum())
