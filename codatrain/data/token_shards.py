@@ -1,7 +1,7 @@
 """Token directories: documents' tokens in shards on disk, memory-mapped, with their offsets.
 
 A token directory holds shards `shard-<i>-of-<n>`, written independently of one another (by
-`scripts/tokenize.py` on any number of processes and machines, or by the token cache as one
+`scripts/tokenize_corpus.py` on any number of processes and machines, or by the token cache as one
 shard), so no writer waits for or locks another. Per part (`train`, and `val` when documents are
 held out) a shard has two flat files:
 
@@ -176,10 +176,11 @@ def open_token_dir(path: str | Path) -> tuple[dict[str, TokenShards], dict[str, 
     directory = Path(path)
     if not directory.is_dir():
         raise FileNotFoundError(f"token directory {str(path)!r} does not exist "
-                                "(scripts/tokenize.py writes one)")
+                                "(scripts/tokenize_corpus.py writes one)")
     markers = [json.loads(p.read_text()) for p in sorted(directory.glob("shard-*-of-*.json"))]
     if not markers:
-        raise ValueError(f"{path} has no token shards (shard-*.json); write them with scripts/tokenize.py")
+        raise ValueError(f"{path} has no token shards (shard-*.json); write them with "
+                         "scripts/tokenize_corpus.py")
     counts = {m["count"] for m in markers}
     if len(counts) > 1:
         raise ValueError(f"{path} mixes shards of different runs (shard counts {sorted(counts)}); "
@@ -190,7 +191,7 @@ def open_token_dir(path: str | Path) -> tuple[dict[str, TokenShards], dict[str, 
     if missing:
         raise ValueError(f"{path} is incomplete: {len(missing)} of {count} shards missing "
                          f"({', '.join(map(str, missing[:10]))}{', ...' if len(missing) > 10 else ''}); "
-                         "run scripts/tokenize.py for them (it skips finished shards)")
+                         "run scripts/tokenize_corpus.py for them (it skips finished shards)")
     first = by_index[0]
     for marker in by_index.values():
         if marker["spec"] != first["spec"] or marker["dtype"] != first["dtype"]:
