@@ -108,7 +108,7 @@ class StreamWindows(torch.utils.data.IterableDataset):
                 yield collate(windows), reader, {
                     "epoch": epoch, "hf": part.state_dict(), "tokens": tokens,
                     "starts": np.flatnonzero(starts), "skipped": skipped, "last_skip": last_skip}
-            if not read_any:
+            if not read_any and hf_state is None:  # (a resumed epoch may have had nothing left)
                 share = f"1/{self.world_size * self.readers}"
                 raise ValueError(f"{self.source.location}: reader {reader} of rank {self.rank} found no "
                                  f"documents in epoch {epoch} of its part ({share} of the stream); the "
