@@ -45,6 +45,12 @@ class DataSource(StrEnum):
     synthetic = "synthetic"
     files = "files"
     hub = "hub"
+    tokens = "tokens"  # a token directory written by scripts/tokenize_corpus.py
+
+
+class OnBadData(StrEnum):
+    fail = "fail"  # stop the run, naming the file and line or row
+    skip = "skip"  # leave the row out and count it
 
 
 class DataFormat(StrEnum):
@@ -154,10 +160,13 @@ class DataConfig:
     """Where the tokens come from and how they are cut; codatrain.data.build_loaders reads it."""
 
     source: DataSource = DataSource.embedded
-    path: str | None = None  # files: a file, a folder or a glob; hub: the dataset name
+    path: str | None = None  # files: a file, a folder or a glob; hub: the dataset name; tokens: the directory
     name: str | None = None  # hub: dataset configuration name
     split: str = "train"  # hub: the training split
-    streaming: bool = False  # hub: read the split as a stream (once, into the token cache)
+    # files, hub: tokenize in the DataLoader workers while training, no cache (sft: read records as a stream)
+    streaming: bool = False
+    on_bad_data: OnBadData = OnBadData.fail  # streaming: a bad line, row or file stops the run or is skipped
+    val_tokens: int = 1 << 18  # streaming: size of the bounded validation set, in tokens
     text_column: str = "text"  # json / parquet / hub column holding the document text
     text_sample_by: TextSampleBy = TextSampleBy.document  # plain-text files: what one document is
     max_documents: int | None = None  # use only the first N documents of the source
@@ -175,7 +184,10 @@ class DataConfig:
     sft_overlong: SFTOverlong = SFTOverlong.truncate  # sft: examples longer than seq_len + 1 tokens
 
     def __post_init__(self) -> None:
-        _require_positive(self, "data", "seq_len")
+        _require_positive(self, "data", "seq_len", "val_tokens")
+        if self.streaming and self.source not in (DataSource.files, DataSource.hub):
+            raise ValueError(f"data.streaming=true streams data.source=files or hub, not "
+                             f"{str(self.source)!r}")
         if self.format == DataFormat.sft and self.source not in (DataSource.files, DataSource.hub):
             raise ValueError(f"data.format=sft reads JSON-lines files or a Hub dataset; it needs "
                              f"data.source=files or hub, not {str(self.source)!r}")

@@ -9,7 +9,7 @@ from test_data_loader import make, take
 from codatrain.config import DataConfig
 from codatrain.data import build_loaders
 from codatrain.data.packing import PackedWindows, SyntheticWindows
-from codatrain.data.token_cache import TokenStream
+from codatrain.data.token_shards import TokenShards
 from codatrain.model.coda import CodaLlama
 from codatrain.model.config import LlamaConfig
 from codatrain.model.llama import Llama
@@ -47,10 +47,10 @@ def test_data_of_exactly_one_global_batch_is_one_step_an_epoch():
     assert loaders[0].state_dict()["epoch"] == 3 and loaders[0].state_dict()["offset"] == 0
 
 
-def stream_of(tmp_path, num_tokens: int, doc_starts: tuple[int, ...] = (0,)) -> TokenStream:
-    np.arange(num_tokens, dtype=np.uint16).tofile(tmp_path / "documents.tokens")
-    np.save(tmp_path / "documents.doc_starts.npy", np.array([*doc_starts, num_tokens], dtype=np.int64))
-    return TokenStream(tmp_path, "documents", "uint16", num_tokens, len(doc_starts))
+def stream_of(tmp_path, num_tokens: int, doc_starts: tuple[int, ...] = (0,)) -> TokenShards:
+    np.arange(num_tokens, dtype=np.uint16).tofile(tmp_path / "train.tokens")
+    np.array([*doc_starts, num_tokens], dtype=np.int64).tofile(tmp_path / "train.docs")
+    return TokenShards([tmp_path / "train"], [num_tokens], [len(doc_starts)], "uint16")
 
 
 @pytest.mark.parametrize("num_tokens,windows", [(0, 0), (1, 0), (5, 0), (6, 1), (10, 1), (11, 2), (12, 2)])

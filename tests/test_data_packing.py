@@ -44,10 +44,11 @@ def loaders(tmp_path, docs=DOCS, seq_len=5, **overrides):
 def test_stream_is_documents_with_bos_and_eos(tmp_path):
     cfg, _ = loaders(tmp_path)
     stream = prepare_streams(cfg).train
-    assert (np.asarray(stream.tokens) == expected_stream(DOCS)).all()
+    tokens = stream.read(0, stream.num_tokens)
+    assert (tokens == expected_stream(DOCS)).all()
     assert stream.num_documents == 5  # the empty document is skipped
-    starts = np.asarray(stream.doc_starts)
-    assert (np.asarray(stream.tokens)[starts[:-1]] == BOS).all() and starts[-1] == stream.num_tokens
+    ((_, starts),) = stream.arrays()
+    assert (tokens[starts[:-1]] == BOS).all() and starts[-1] == stream.num_tokens
 
 
 def test_windows_are_exact_and_targets_shift_by_one(tmp_path):
@@ -84,7 +85,7 @@ def test_windows_pickle_without_their_memory_maps(tmp_path):
     packed = PackedWindows(prepare_streams(cfg).train, 5, with_doc_ids=True)
     first = packed[0]
     clone = pickle.loads(pickle.dumps(packed))
-    assert clone._tokens is None and clone._doc_starts is None and packed._tokens is not None
+    assert clone.stream._arrays is None and packed.stream._arrays is not None
     assert first.target_mask is None and clone[0].target_mask is None
     assert (clone[0].tokens == first.tokens).all() and (clone[0].doc_ids == first.doc_ids).all()
 
@@ -112,7 +113,7 @@ def test_held_out_documents_are_a_stable_fraction(tmp_path):
     streams = prepare_streams(cfg)
     assert streams.train.num_documents + streams.val.num_documents == 40
     assert abs(streams.val.num_documents - 10) <= 1
-    val_text = bytes(t for t in np.asarray(streams.val.tokens) if t < 256).decode()
+    val_text = bytes(t for t in streams.val.read(0, streams.val.num_tokens) if t < 256).decode()
     assert val_text == "".join(d for i, d in enumerate(docs) if is_held_out(i, 0.25))
 
 

@@ -22,11 +22,13 @@ import datasets
 import numpy as np
 import torch
 
-from codatrain.config import DataConfig, DataFormat, DataSource
+from codatrain.config import DataConfig, DataFormat, DataSource, OnBadData
 from codatrain.data.packing import Batch, PackedWindows, SyntheticWindows, collate
 from codatrain.data.sft import SFTWindows, build_sft_datasets
 from codatrain.data.sources import Source, embedded_source, files_source, hub_source
-from codatrain.data.token_cache import TokenStream, tokenize_source
+from codatrain.data.streaming import BoundedValidation, StreamLoader, StreamWindows
+from codatrain.data.token_cache import tokenize_source
+from codatrain.data.token_shards import TokenShards, open_token_dir
 from codatrain.data.tokenizer import Tokenizer, load_tokenizer
 
 # Windows in each split of the synthetic source: far more than any benchmark reads in an epoch.
@@ -47,6 +49,8 @@ class PackedLoader:
     epoch 0 from its first batch, so each evaluation sees the same batches; its state is unused.
     `len()` is the number of batches per epoch.
     """
+
+    skipped_rows = (0, None)  # stored data has no bad rows: they stop its tokenization
 
     def __init__(self, dataset: PackedWindows | SyntheticWindows | SFTWindows, *, name: str,
                  vocab_size: int, batch_size: int, rank: int, world_size: int, seed: int,
@@ -133,19 +137,20 @@ class Streams:
     """The tokenized data of a config: training stream, validation stream (if any), and tokenizer."""
 
     tokenizer: Tokenizer
-    train: TokenStream
-    val: TokenStream | None
+    train: TokenShards
+    val: TokenShards | None
 
 
 def build_loaders(
     cfg: DataConfig, batch_size: int, rank: int, world_size: int, seed: int, device: torch.device | str,
     max_seq_len: int, model_vocab_size: int,
-) -> tuple[PackedLoader, PackedLoader | None]:
+) -> tuple[PackedLoader | StreamLoader, PackedLoader | BoundedValidation | None]:
     """(train, val) loaders of this rank; val is None when no validation data is configured
     (val_fraction 0 and neither val_path nor val_split).
 
-    Tokenizes the source on first use (cached on disk, shared by ranks and runs). Raises ValueError
-    or FileNotFoundError naming the problem for bad settings, paths, columns or sizes.
+    Tokenizes the source on first use (cached on disk, shared by ranks and runs), opens a token
+    directory (data.source=tokens), or streams it (data.streaming). Raises ValueError or
+    FileNotFoundError naming the problem for bad settings, paths, columns or sizes.
     """
     if cfg.seq_len > max_seq_len:
         raise ValueError(f"data.seq_len={cfg.seq_len} exceeds model.max_seq_len={max_seq_len}")
@@ -170,23 +175,81 @@ def build_loaders(
         tokenizer = load_tokenizer(cfg.tokenizer)
         vocab_size = tokenizer.vocab_size
         _check_vocab(vocab_size, model_vocab_size, cfg.tokenizer)
+    common = dict(vocab_size=vocab_size, batch_size=batch_size, rank=rank, world_size=world_size,
+                  seed=seed, device=device)
     reports: list[str | None] = [None, None]
     if cfg.format == DataFormat.sft:
         train_set, val_set, reports = build_sft_datasets(cfg, tokenizer)
+    elif cfg.streaming:
+        return _stream_loaders(cfg, tokenizer, common)
+    elif cfg.source == DataSource.tokens:
+        train_set, val_set, reports[0] = _token_dir_datasets(cfg, tokenizer)
     elif cfg.source != DataSource.synthetic:
         streams = prepare_streams(cfg, tokenizer)
         train_set = PackedWindows(streams.train, cfg.seq_len, cfg.keep_document_boundaries)
         val_set = None if streams.val is None else PackedWindows(streams.val, cfg.seq_len,
                                                                  cfg.keep_document_boundaries)
 
-    common = dict(vocab_size=vocab_size, batch_size=batch_size, rank=rank, world_size=world_size,
-                  seed=seed, device=device)
     train = PackedLoader(train_set, name="training", shuffle=cfg.shuffle, repeat=True,
                          num_workers=cfg.num_workers, report=reports[0], **common)
     # Validation reads a few batches every val_every steps: starting worker processes for each
     # evaluation would cost more than reading them in the main process.
     val = None if val_set is None else PackedLoader(val_set, name="validation", shuffle=False, repeat=False,
                                                     num_workers=0, report=reports[1], **common)
+    return train, val
+
+
+def _token_dir_datasets(cfg: DataConfig,
+                        tokenizer: Tokenizer) -> tuple[PackedWindows, PackedWindows | None, str]:
+    """The windows of a token directory (scripts/tokenize_corpus.py) and a line for the run's log."""
+    if not cfg.path:
+        raise ValueError("data.source=tokens needs data.path (a directory written by "
+                         "scripts/tokenize_corpus.py)")
+    if cfg.val_path:
+        raise ValueError("data.source=tokens validates on the documents scripts/tokenize_corpus.py held out "
+                         "(its data.val_fraction); data.val_path is not read")
+    parts, spec = open_token_dir(cfg.path)
+    if spec["tokenizer"] != tokenizer.fingerprint:
+        raise ValueError(f"{cfg.path} was tokenized with another tokenizer ({spec['tokenizer']}) than "
+                         f"data.tokenizer={cfg.tokenizer!r} ({tokenizer.fingerprint}); set data.tokenizer to "
+                         "the one scripts/tokenize_corpus.py used")
+    train = PackedWindows(parts["train"], cfg.seq_len, cfg.keep_document_boundaries)
+    val = parts.get("val")
+    shards = parts["train"]
+    report = (f"training data: {cfg.path}: {shards.num_tokens:,} tokens in {shards.num_documents:,} "
+              f"documents, {len(shards.stems)} shards, memory-mapped"
+              + (f"; validation: {val.num_tokens:,} held-out tokens" if val is not None else ""))
+    val_set = None if val is None else PackedWindows(val, cfg.seq_len, cfg.keep_document_boundaries)
+    return train, val_set, report
+
+
+def _stream_loaders(cfg: DataConfig, tokenizer: Tokenizer,
+                    common: dict) -> tuple[StreamLoader, BoundedValidation | None]:
+    """The training stream of this rank and its bounded validation set (streaming.py)."""
+    main, val_source = data_sources(cfg)
+    held_out = cfg.val_fraction if val_source is None else 0.0
+    skip_bad = cfg.on_bad_data == OnBadData.skip
+    readers = max(1, cfg.num_workers)
+    rank, world_size = common["rank"], common["world_size"]
+    windows = StreamWindows(main, cfg.tokenizer, seq_len=cfg.seq_len, batch_size=common["batch_size"],
+                            with_doc_ids=cfg.keep_document_boundaries, rank=rank, world_size=world_size,
+                            readers=readers, skip_bad=skip_bad, held_out_fraction=held_out)
+    shards = main.stream().num_shards
+    by_shard = shards % (world_size * readers) == 0
+    split = "by shard" if by_shard else "by document (every reader reads all rows)"
+    report = (f"training data: streaming {main.location}: {shards} shards over {world_size} ranks × "
+              f"{readers} readers, {split}, tokenized in the DataLoader workers")
+    train = StreamLoader(windows, name="training", vocab_size=common["vocab_size"],
+                         device=common["device"], num_workers=cfg.num_workers, report=report)
+    if val_source is None and held_out == 0:
+        return train, None
+    validation = val_source or main
+
+    def make_loader(dataset: PackedWindows) -> PackedLoader:
+        return PackedLoader(dataset, name="validation", shuffle=False, repeat=False, num_workers=0, **common)
+
+    val = BoundedValidation(validation, cfg.tokenizer, held_out, cfg.val_tokens, skip_bad, cfg.seq_len,
+                            cfg.keep_document_boundaries, make_loader)
     return train, val
 
 
@@ -201,18 +264,18 @@ def prepare_streams(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> Stre
     if cfg.source == "synthetic":
         raise ValueError("data.source=synthetic has no corpus to tokenize")
     tokenizer = tokenizer or load_tokenizer(cfg.tokenizer)
-    main, val_source = _sources(cfg)
+    main, val_source = data_sources(cfg)
     cache_root = Path(cfg.cache_dir or datasets.config.HF_DATASETS_CACHE) / "codatrain-tokens"
     held_out = cfg.val_fraction if val_source is None else 0.0
     streams = tokenize_source(main, tokenizer, cache_root, held_out)
     if val_source is not None:
-        val = tokenize_source(val_source, tokenizer, cache_root, 0.0)["documents"]
+        val = tokenize_source(val_source, tokenizer, cache_root, 0.0)["train"]
     else:
-        val = streams.get("held_out")
-    return Streams(tokenizer, streams["documents"], val)
+        val = streams.get("val")
+    return Streams(tokenizer, streams["train"], val)
 
 
-def _sources(cfg: DataConfig) -> tuple[Source, Source | None]:
+def data_sources(cfg: DataConfig) -> tuple[Source, Source | None]:
     """The training source and, when configured, a separate validation source."""
     if cfg.source == "embedded":
         main = embedded_source(cfg.max_documents, cfg.cache_dir)
@@ -240,7 +303,8 @@ def _sources(cfg: DataConfig) -> tuple[Source, Source | None]:
 def unigram_entropy(cfg: DataConfig) -> float:
     """Entropy in nats per token of the training stream's token frequencies (BOS/EOS included): the
     loss of the best model that ignores context, so a model that learns anything goes below it."""
-    tokens = prepare_streams(cfg).train.tokens
-    counts = np.bincount(tokens)
-    p = counts[counts > 0] / len(tokens)
+    streams = prepare_streams(cfg)
+    vocab_size = streams.tokenizer.vocab_size
+    counts = sum(np.bincount(tokens, minlength=vocab_size) for tokens, _ in streams.train.arrays())
+    p = counts[counts > 0] / streams.train.num_tokens
     return float(-(p * np.log(p)).sum())

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from codatrain.data.token_cache import TokenStream
+from codatrain.data.token_shards import TokenShards
 from codatrain.kernels.stages import IGNORE_INDEX
 
 
@@ -46,17 +46,12 @@ class Window(NamedTuple):
 
 
 class PackedWindows(torch.utils.data.Dataset):
-    """Map-style dataset of the windows of a `TokenStream`; item i is (window tokens, doc ids)."""
+    """Map-style dataset of the windows of a token stream (`TokenShards`: a cache entry or a token
+    directory, memory-mapped); item i is (window tokens, doc ids)."""
 
-    def __init__(self, stream: TokenStream, seq_len: int, with_doc_ids: bool) -> None:
+    def __init__(self, stream: TokenShards, seq_len: int, with_doc_ids: bool) -> None:
         self.stream, self.seq_len, self.with_doc_ids = stream, seq_len, with_doc_ids
         self.num_windows = max(0, (stream.num_tokens - 1) // seq_len)
-        self._tokens: np.ndarray | None = None  # memory maps, opened once per process
-        self._doc_starts: np.ndarray | None = None
-
-    def __getstate__(self) -> dict:
-        # A pickled memmap would carry its whole content into a spawned worker; reopen it there instead.
-        return {**self.__dict__, "_tokens": None, "_doc_starts": None}
 
     def __len__(self) -> int:
         return self.num_windows
@@ -64,15 +59,11 @@ class PackedWindows(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> Window:
         if not 0 <= i < self.num_windows:
             raise IndexError(f"window {i} of {self.num_windows}")
-        if self._tokens is None:
-            self._tokens, self._doc_starts = self.stream.tokens, self.stream.doc_starts
         start = i * self.seq_len
-        window = self._tokens[start:start + self.seq_len + 1].astype(np.int64)
+        window = self.stream.read(start, start + self.seq_len + 1)
         if not self.with_doc_ids:
             return Window(window)
-        positions = np.arange(start, start + self.seq_len)
-        docs = np.searchsorted(self._doc_starts, positions, side="right") - 1
-        return Window(window, (docs - docs[0]).astype(np.int32))
+        return Window(window, self.stream.doc_ids(start, start + self.seq_len))
 
 
 class SyntheticWindows(torch.utils.data.Dataset):

@@ -2,6 +2,11 @@
 
 A `Source` is described before anything is read (`identity`, which keys the token cache, so a
 cached run never touches the files or the network) and opened only when it must be tokenized.
+
+`Source.stream()` is the same documents as a sharded `datasets.IterableDataset` (one shard per local
+file, or the Hub dataset's own shards) of rows {"text", "error"}: a row that cannot be a document
+(bad JSON, a missing or non-string text field, an unreadable file) carries the file and line or row
+in `error` instead of stopping the stream, so the reader decides whether to skip it or stop.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any
 
 import datasets
 import fsspec
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 EMBEDDED_PATH = Path(__file__).parent / "corpus" / "python_docs.jsonl.gz"
@@ -26,6 +32,7 @@ _COMPRESSION_SUFFIXES = {".gz", ".bz2", ".xz", ".zst", ".lz4"}
 _BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".json": "json", ".jsonl": "json",
              ".parquet": "parquet"}
 _SAMPLE_BY = ("document", "paragraph", "line")
+_STREAM_FEATURES = datasets.Features({"text": datasets.Value("string"), "error": datasets.Value("string")})
 
 
 class DataFileError(ValueError):
@@ -65,6 +72,24 @@ class Source:
             ds = ds.take(self.max_documents)
         total = len(ds) if isinstance(ds, datasets.Dataset) else None
         return self._batches(ds, batch_size), total
+
+    def stream(self) -> datasets.IterableDataset:
+        """The documents as a sharded stream of {"text", "error"} rows (module docstring), in the
+        source's order; `datasets.distributed.split_dataset_by_node` splits it by shard."""
+        if self.kind == "files":
+            files = self.load_args["data_files"]
+            ds = datasets.IterableDataset.from_generator(
+                _stream_file_rows, features=_STREAM_FEATURES,
+                gen_kwargs={"files": files, "builder": self.load_args["path"],
+                            "text_column": self.text_column,
+                            "sample_by": self.load_args.get("sample_by", "document")})
+        else:
+            ds = datasets.load_dataset(**{**self.load_args, "streaming": True})
+            if ds.column_names is not None and self.text_column not in ds.column_names:
+                raise self._missing_column(ds.column_names)
+            ds = ds.map(_checked_row, fn_kwargs={"text_column": self.text_column, "location": self.location},
+                        remove_columns=ds.column_names, features=_STREAM_FEATURES)
+        return ds if self.max_documents is None else ds.take(self.max_documents)
 
     def _batches(self, ds: datasets.Dataset | datasets.IterableDataset,
                  batch_size: int) -> Iterator[list[str | None]]:
@@ -145,6 +170,107 @@ def hub_source(name: str, config_name: str | None, split: str, streaming: bool, 
                  "cache_dir": cache_dir}
     identity = {"hub": name, "name": config_name, "split": split}
     return Source("hub", f"{name}[{split}]", text_column, identity, load_args, max_documents)
+
+
+def held_out_by_content(text: str, fraction: float) -> bool:
+    """Whether a document belongs to the held-out split of a stream or a token directory: decided by
+    a hash of its text, so it needs neither the document's position (unknown to one rank's part of
+    a stream) nor the number of ranks, and copies of a document all fall on the same side."""
+    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64 < fraction
+
+
+def stream_texts(batch: dict[str, list[str | None]], skip_bad: bool) -> tuple[list[str], list[str]]:
+    """(the non-empty documents, the error messages of bad rows) of a batch of stream rows; raises
+    the first bad row's DataFileError unless `skip_bad`."""
+    errors = [e for e in batch["error"] if e is not None]
+    if errors and not skip_bad:
+        raise DataFileError(f"{errors[0]} (data.on_bad_data=skip skips such rows and counts them)")
+    return [t for t in batch["text"] if t], errors
+
+
+def _checked_row(row: dict[str, Any], text_column: str, location: str) -> dict[str, str | None]:
+    text = row.get(text_column)
+    if text is None or isinstance(text, str):
+        return {"text": text, "error": None}
+    return {"text": None, "error": f"{location}: the text column {text_column!r} holds "
+                                   f"{type(text).__name__} {text!r:.40}, not a string"}
+
+
+def _stream_file_rows(files: list[str], builder: str, text_column: str,
+                      sample_by: str) -> Iterator[dict[str, str | None]]:
+    """The rows of local files in order; a bad line or file becomes an error row naming it."""
+    for file in files:
+        try:
+            if builder == "json":
+                yield from _json_rows(file, text_column)
+            elif builder == "parquet":
+                yield from _parquet_rows(file, text_column)
+            else:
+                yield from _text_rows(file, sample_by)
+        except Exception as exc:  # a truncated or corrupt file: every reader error says how
+            yield {"text": None,
+                   "error": f"{file}: cannot be read as {builder} ({type(exc).__name__}: {exc})"}
+
+
+def _json_rows(file: str, text_column: str) -> Iterator[dict[str, str | None]]:
+    with fsspec.open(file, "rb", compression="infer") as f:
+        for number, raw in enumerate(f, start=1):
+            error = None
+            try:
+                line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
+                record = json.loads(line)
+            except UnicodeDecodeError as exc:
+                error = f"line {number} is not UTF-8 text ({exc.reason} at byte {exc.start})"
+            except json.JSONDecodeError as exc:
+                error = f"line {number} is not a JSON record ({exc.msg} at column {exc.colno})"
+            else:
+                if not isinstance(record, dict):
+                    error = f"line {number} is a JSON {type(record).__name__}, not a record (object)"
+                elif text_column not in record:
+                    error = f"line {number} has no field {text_column!r} (set data.text_column)"
+                elif record[text_column] is not None and not isinstance(record[text_column], str):
+                    value = record[text_column]
+                    error = (f"line {number}: {text_column!r} holds {type(value).__name__} {value!r:.40}, "
+                             "not a string")
+            if error is None:
+                yield {"text": record[text_column], "error": None}
+            else:
+                yield {"text": None, "error": f"{file}, {error}"}
+
+
+def _parquet_rows(file: str, text_column: str) -> Iterator[dict[str, str | None]]:
+    with fsspec.open(file, "rb", compression="infer") as f:
+        parquet = pq.ParquetFile(f)
+        names = parquet.schema_arrow.names
+        if text_column not in names:
+            yield {"text": None, "error": f"{file}: no column {text_column!r} (columns: {', '.join(names)}); "
+                                         "set data.text_column"}
+            return
+        kind = parquet.schema_arrow.field(text_column).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            yield {"text": None, "error": f"{file}: column {text_column!r} is {kind}, not text"}
+            return
+        for batch in parquet.iter_batches(columns=[text_column]):
+            for text in batch.column(0).to_pylist():
+                yield {"text": text, "error": None}
+
+
+def _text_rows(file: str, sample_by: str) -> Iterator[dict[str, str | None]]:
+    with fsspec.open(file, "rb", compression="infer") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        yield {"text": None, "error": f"{file}, line {line} is not UTF-8 text ({exc.reason} at byte "
+                                     f"{exc.start}); is it a binary file?"}
+        return
+    pieces = {"document": [text], "paragraph": text.split("\n\n"), "line": text.splitlines()}[sample_by]
+    for piece in pieces:
+        yield {"text": piece, "error": None}
 
 
 def _file_problem(file: str, builder: str) -> str | None:

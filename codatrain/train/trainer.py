@@ -134,8 +134,10 @@ class Trainer:
             {"train": self.train_data}, log=self.logger.info,
         )
         self.step = self.checkpointer.restore()
-        # Loop state: steps skipped as non-finite, the time since the last record and in this run.
+        # Loop state: steps skipped as non-finite, the time since the last record and in this run,
+        # and the bad data rows already reported.
         self.skipped_steps, self.window, self.run_time = 0, StepTime(), StepTime()
+        self.reported_rows = 0
 
     # ---- one optimizer step -------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -228,11 +230,20 @@ class Trainer:
                 result.val_losses[self.step] = record["val_loss"]
             if record:
                 self.logger.log(record)
+                self.report_skipped_rows()
             self.checkpointer.after_step(self.step, tcfg.steps)
         profiler.stop()
         result.final_step = self.step
         self.logger.info(self.summary(result, time.perf_counter() - run_started))
         return result
+
+    def report_skipped_rows(self) -> None:
+        """A warning when the stream skipped bad rows since the last one (data.on_bad_data=skip)."""
+        count, last = self.train_data.skipped_rows
+        if count > self.reported_rows:
+            self.logger.info(f"warning: {count} bad data rows skipped so far on rank {self.dist.rank} "
+                             f"(data.on_bad_data=skip); the last: {last}")
+            self.reported_rows = count
 
     def finite_or_skipped(self, loss: float, grad_norm: float) -> bool:
         """True for a finite step. A non-finite one drops its gradients and is skipped while

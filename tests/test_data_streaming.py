@@ -1,0 +1,210 @@
+"""Streaming (data.streaming=true) and token directories (scripts/tokenize_corpus.py, data=tokens): exact
+resume, packing equal to the stored path, one pass over every document per epoch on 2 processes,
+bad rows named and skipped or fatal, and token directories independent of the process count."""
+
+import gzip
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from conftest import REPO
+from test_checkpoint_resume import FAST, Crash, crash_on_step_call
+from test_data_sources import word_tokenizer
+
+from codatrain.config import DataConfig, DataSource, OnBadData, load_config
+from codatrain.data import build_loaders
+from codatrain.data.pretokenize import tokenize_to_dir
+from codatrain.data.sources import DataFileError, held_out_by_content
+from codatrain.train.trainer import train
+
+BOS, EOS = 256, 257
+
+
+def corpus(folder, files=4, per_file=12):
+    """Files of documents named `doc <file>-<i>`, of varied lengths."""
+    folder.mkdir(exist_ok=True)
+    texts = []
+    for f in range(files):
+        rows = [f"doc {f}-{i} " + "words " * ((i * 7 + f) % 9 + 1) for i in range(per_file)]
+        (folder / f"part{f}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in rows))
+        texts += rows
+    return texts
+
+
+def stream_config(path, **overrides):
+    values = dict(source=DataSource.files, path=str(path), streaming=True, seq_len=16, val_fraction=0.0,
+                  keep_document_boundaries=True, num_workers=0)
+    return DataConfig(**{**values, **overrides})
+
+
+def build(cfg, batch_size=2, rank=0, world_size=1):
+    return build_loaders(cfg, batch_size, rank, world_size, 0, "cpu", max_seq_len=64, model_vocab_size=512)
+
+
+def take(loader, n):
+    iterator = iter(loader)
+    return [next(iterator) for _ in range(n)]
+
+
+def same(a, b):
+    return all(torch.equal(x.inputs, y.inputs) and torch.equal(x.targets, y.targets)
+               and torch.equal(x.doc_ids, y.doc_ids) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stream_resumes_exactly_mid_buffer_and_across_epochs(tmp_path, workers):
+    corpus(tmp_path / "c")
+    cfg = stream_config(tmp_path / "c", num_workers=workers)
+    reference = take(build(cfg)[0], 60)  # about three epochs of each reader
+    for stop in (3, 7, 31):
+        first = build(cfg)[0]
+        take(first, stop)
+        state = json.loads(json.dumps(first.state_dict()))  # as a checkpoint stores it
+        resumed = build(cfg)[0]
+        resumed.load_state_dict(state)
+        assert same(take(resumed, 60 - stop), reference[stop:]), stop
+
+
+def test_stream_packs_the_windows_the_stored_path_packs(tmp_path):
+    corpus(tmp_path / "c")
+    stored = DataConfig(source=DataSource.files, path=str(tmp_path / "c"), seq_len=16, val_fraction=0.0,
+                        keep_document_boundaries=True, shuffle=False, num_workers=0,
+                        cache_dir=str(tmp_path / "cache"))
+    stream = take(build(stream_config(tmp_path / "c"))[0], 10)
+    assert same(stream, take(build(stored)[0], 10))
+
+
+def test_state_of_another_reader_count_is_refused(tmp_path):
+    corpus(tmp_path / "c")
+    first = build(stream_config(tmp_path / "c", num_workers=2))[0]
+    take(first, 3)
+    with pytest.raises(ValueError, match="data.num_workers"):
+        build(stream_config(tmp_path / "c", num_workers=1))[0].load_state_dict(first.state_dict())
+
+
+def test_kill_and_resume_of_a_streaming_run_matches_the_uninterrupted_run(tmp_path, monkeypatch):
+    corpus(tmp_path / "c")
+    options = [o for o in FAST if not o.startswith(("data=", "data.num_workers"))] + [
+        "data=files", f"data.path={tmp_path / 'c'}", "data.streaming=true", "data.num_workers=1",
+        "data.val_fraction=0.2", "data.seq_len=16", "train.val_every=2", "train.val_batches=2",
+        "train.tokens_per_step=128"]
+    full = train(load_config([*options, f"train.run_dir={tmp_path / 'full'}", "checkpoint.at_end=false"]))
+    with monkeypatch.context() as patch:
+        crash_on_step_call(patch, 4)  # dies during step 4, after the checkpoint of step 2
+        with pytest.raises(Crash):
+            train(load_config([*options, f"train.run_dir={tmp_path / 'cut'}", "checkpoint.every=2"]))
+    resumed = train(load_config([*options, f"train.run_dir={tmp_path / 'cut'}", "checkpoint.every=2"]))
+    assert resumed.losses == {s: full.losses[s] for s in range(3, 9)}
+    assert resumed.val_losses == {s: full.val_losses[s] for s in (4, 6, 8)}
+
+
+def documents_of(stream: np.ndarray) -> list[str]:
+    """The whole documents ([BOS] ... [EOS]) of a byte-token stream, in order."""
+    starts = np.flatnonzero(stream == BOS)
+    docs = []
+    for begin, end in zip(starts, [*starts[1:], len(stream)], strict=True):
+        body = stream[begin + 1:end]
+        if len(body) and body[-1] == EOS:
+            docs.append(bytes(body[:-1].astype(np.uint8)).decode())
+    return docs
+
+
+@pytest.mark.slow
+def test_two_process_stream_reads_every_document_once_per_epoch(tmp_path):
+    texts = corpus(tmp_path / "c")
+    out = tmp_path / "out"
+    out.mkdir()
+    replaced = ("data=", "data.num_workers", "train.steps", "train.val_every", "train.tokens_per_step")
+    options = [o for o in FAST if not o.startswith(replaced)]
+    # About 12 batches an epoch per rank; workers are left out (the resume test above runs them).
+    options += ["data=files", f"data.path={tmp_path / 'c'}", "data.streaming=true", "data.num_workers=0",
+                "data.val_fraction=0.2", "data.seq_len=32", "train.micro_batch_size=2", "train.steps=20",
+                "train.val_every=10", "checkpoint.every=10", f"train.run_dir={tmp_path / 'run'}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(REPO / "tests" / "stream_recorder.py"), str(out), *options]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "step 20/20 | val loss" in proc.stdout + proc.stderr
+    training = [t for t in texts if not held_out_by_content(t, 0.2)]
+    first_epochs = []
+    for rank in range(2):
+        inputs = np.load(out / f"rank{rank}.npy")
+        docs = documents_of(inputs.reshape(-1))  # window inputs tile the reader's stream exactly
+        repeat = next(i for i, d in enumerate(docs) if d in docs[:i])  # its second epoch begins
+        first_epochs.append(docs[:repeat])
+    everything = first_epochs[0] + first_epochs[1]
+    assert sorted(everything) == sorted(training)  # every training document once, on one rank
+    assert set(first_epochs[0]).isdisjoint(first_epochs[1]) and first_epochs[0] and first_epochs[1]
+
+
+def write_bad_corpus(folder):
+    folder.mkdir()
+    (folder / "a.jsonl").write_text('{"text": "good one"}\nnot json\n{"text": 5}\n{"text": "good two"}\n')
+    with gzip.open(folder / "b.jsonl.gz", "wt") as f:
+        f.write('{"text": "good three"}\n["a list"]\n')
+    return folder
+
+
+def test_bad_rows_in_a_stream_stop_the_run_naming_file_and_line(tmp_path):
+    cfg = stream_config(write_bad_corpus(tmp_path / "bad"), seq_len=4)
+    with pytest.raises(DataFileError, match=r"a\.jsonl, line 2 is not a JSON record .*on_bad_data=skip"):
+        take(build(cfg)[0], 1)
+
+
+def test_bad_rows_in_a_stream_are_skipped_and_counted(tmp_path):
+    cfg = stream_config(write_bad_corpus(tmp_path / "bad"), seq_len=4, on_bad_data=OnBadData.skip)
+    loader = build(cfg, batch_size=1)[0]
+    batches = take(loader, 7)  # 28 of the 32 tokens of the good rows: within the first epoch
+    count, last = loader.skipped_rows
+    assert count == 3 and "b.jsonl.gz, line 2 is a JSON list" in last
+    text = bytes(t for b in batches for t in b.inputs[0].tolist() if t < 256).decode()
+    assert text == "good onegood twogood th"
+    take(loader, 8)  # the second epoch skips them again
+    assert loader.skipped_rows[0] == 6
+
+
+def test_a_broken_parquet_file_is_named(tmp_path):
+    folder = tmp_path / "pq"
+    folder.mkdir()
+    pq.write_table(pa.table({"text": ["fine " * 20]}), folder / "a.parquet")
+    (folder / "b.parquet").write_bytes(b"PAR1 this is not parquet")
+    with pytest.raises(DataFileError, match=r"b\.parquet: cannot be read as parquet"):
+        take(build(stream_config(folder, seq_len=4), batch_size=1)[0], 30)
+
+
+def test_token_directory_is_the_same_from_1_or_3_processes(tmp_path):
+    corpus(tmp_path / "c", files=5)
+    source = DataConfig(source=DataSource.files, path=str(tmp_path / "c"), val_fraction=0.2)
+    batches = []
+    for processes in (1, 3):
+        out = tmp_path / f"tokens{processes}"
+        results = tokenize_to_dir(source, out, shards=4, processes=processes)
+        assert sorted(r.index for r in results) == [0, 1, 2, 3]
+        cfg = DataConfig(source=DataSource.tokens, path=str(out), seq_len=16, keep_document_boundaries=True,
+                         num_workers=0)
+        train_loader, val_loader = build(cfg, batch_size=3)
+        batches.append((take(train_loader, 8), list(val_loader)))
+    assert same(batches[0][0], batches[1][0]) and same(batches[0][1], batches[1][1])
+
+
+def test_machines_split_the_shards_and_an_incomplete_directory_is_named(tmp_path):
+    corpus(tmp_path / "c")
+    source = DataConfig(source=DataSource.files, path=str(tmp_path / "c"), val_fraction=0.0)
+    out = tmp_path / "tokens"
+    written = tokenize_to_dir(source, out, shards=4, processes=1, machine=1, machines=2)
+    assert [r.index for r in written] == [1, 3]
+    cfg = DataConfig(source=DataSource.tokens, path=str(out), seq_len=16, val_fraction=0.0)
+    with pytest.raises(ValueError, match=r"incomplete: 2 of 4 shards missing \(0, 2\)"):
+        build(cfg)
+    written = tokenize_to_dir(source, out, shards=4, processes=1, machine=0, machines=2)
+    assert [r.index for r in written] == [0, 2]
+    assert tokenize_to_dir(source, out, shards=4, processes=1) == []  # finished shards are skipped
+    assert len(build(cfg)[0]) > 0
+    word_tokenizer(["<s>", "</s>"])[0].save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(ValueError, match="another tokenizer"):
+        build(DataConfig(source=DataSource.tokens, path=str(out), tokenizer=str(tmp_path), seq_len=16))
