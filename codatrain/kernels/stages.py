@@ -53,11 +53,12 @@ T = TypeVar("T")
 # Targets with this value count in no loss (PyTorch's cross-entropy default), in every model.
 IGNORE_INDEX = -100
 
-# Rows of the LM-head backward processed at once are chosen so that one chunk of dlogits holds
-# at most about this many elements (512M: 1 GiB in bf16; 4096 rows at V = 128256), a fraction of
-# the M×V logits (and their fp32 copies) an eager head keeps. Bigger chunks make the chunk's three
-# GEMMs longer: the weight-gradient GEMM contracts over the chunk's rows and adds its V×d result
-# into the fp32 dW once per chunk, which at a few hundred rows costs more than its arithmetic.
+# Rows of the LM head processed at once (`lm_head_ce`) are chosen so that one chunk of logits
+# (then dlogits, in place) holds at most about this many elements (512M: 1 GiB in bf16; 4096 rows
+# at V = 128256), a fraction of the M×V logits (and their fp32 copies) an eager head keeps. Bigger
+# chunks make the chunk's three GEMMs longer: the weight-gradient GEMM contracts over the chunk's
+# rows and adds its V×d result into the fp32 dW once per chunk, which at a few hundred rows costs
+# more than its arithmetic (docs/benchmarks.md: 2048-row chunks cost 3% more than 4096 at 8B widths).
 HEAD_CHUNK_ELEMENTS = 1 << 29
 # Chunks are whole multiples of a 2-CTA cluster of 128-row tiles (so no tile is partly empty)
 # and their per-row statistics start on 16-byte boundaries.
