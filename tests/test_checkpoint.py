@@ -386,3 +386,10 @@ def test_rank_zero_decides_for_every_rank_and_tidies_the_checkpoint_root(tmp_pat
     assert outcomes[0]["odd manifest"].startswith("AttributeError: ")
     assert "OSError on rank 1: [Errno 28] No space left on device" in outcomes[0]["disk full on rank 1"]
     assert list((tmp_path / "full_disk/checkpoints").iterdir()) == []
+
+
+def test_activation_checkpointing_wraps_every_block_but_the_last():
+    model = Llama(CFG)
+    apply_activation_checkpointing(model)
+    wrapped = [type(block).__name__ == "CheckpointWrapper" for block in model.layers]
+    assert CFG.n_layers >= 2 and wrapped == [True] * (CFG.n_layers - 1) + [False]
