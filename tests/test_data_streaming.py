@@ -6,13 +6,13 @@ import gzip
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import REPO
 from test_checkpoint_resume import FAST, Crash, crash_on_step_call
 from test_data_sources import word_tokenizer
 
@@ -23,6 +23,8 @@ from codatrain.data.sources import DataFileError, held_out_by_content
 from codatrain.train.trainer import train
 
 BOS, EOS = 256, 257
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def corpus(folder, files=4, per_file=12):
