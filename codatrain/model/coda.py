@@ -32,7 +32,7 @@ from codatrain.kernels.attention import (
     documents_from_ids,
     get_attention,
 )
-from codatrain.kernels.stages import IGNORE_INDEX, StageBackend, get_backend
+from codatrain.kernels.stages import IGNORE_INDEX, Rope, StageBackend, get_backend
 from codatrain.model.config import LlamaConfig
 from codatrain.model.init import init_canonical_weights
 from codatrain.model.layout import Canonical, Layout
@@ -46,11 +46,11 @@ class _Consts:
     eps: float
     head_dim: int
     rope_heads: int
-    rope_theta: float
+    rope_config: Rope
 
     @property
     def rope(self) -> dict:
-        return {"head_dim": self.head_dim, "rope_heads": self.rope_heads, "rope_theta": self.rope_theta}
+        return {"head_dim": self.head_dim, "rope_heads": self.rope_heads, "rope": self.rope_config}
 
 
 @dataclass(frozen=True)
@@ -263,7 +263,7 @@ class _FinalLogitsFn(torch.autograd.Function):
 def _consts(cfg: LlamaConfig) -> _Consts:
     return _Consts(
         dim=cfg.dim, eps=cfg.norm_eps, head_dim=cfg.head_dim,
-        rope_heads=cfg.n_heads + cfg.n_kv_heads, rope_theta=cfg.rope_theta,
+        rope_heads=cfg.n_heads + cfg.n_kv_heads, rope_config=cfg.rope,
     )
 
 

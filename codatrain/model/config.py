@@ -5,10 +5,21 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from codatrain.kernels.stages import Rope, RopeType
+
+# The scaling fields of RoPE (beyond rope_theta), with the types they apply to. A field that does
+# not apply to model.rope_type must keep its default, so that equal configs compute equal models.
+ROPE_SCALING_FIELDS = {
+    "rope_factor": (RopeType.linear, RopeType.llama3),
+    "rope_low_freq_factor": (RopeType.llama3,),
+    "rope_high_freq_factor": (RopeType.llama3,),
+    "rope_original_max_positions": (RopeType.llama3,),
+}
+
 # Fields that decide tensor shapes or the function the model computes; max_seq_len and init_std
 # may change between a checkpoint and the run that loads it.
 ARCHITECTURE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "rope_theta",
-                       "norm_eps")
+                       "rope_type", *ROPE_SCALING_FIELDS, "norm_eps")
 
 
 @dataclass(frozen=True)
@@ -20,6 +31,12 @@ class LlamaConfig:
     ffn_dim: int
     vocab_size: int
     rope_theta: float = 500000.0
+    # RoPE scaling, as Hugging Face's rope_parameters (codatrain.kernels.stages.Rope).
+    rope_type: RopeType = RopeType.default
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
     norm_eps: float = 1e-5
     max_seq_len: int = 8192
     init_std: float = 0.02
@@ -36,10 +53,42 @@ class LlamaConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head dim {self.head_dim} must be even for RoPE")
+        self._check_rope()
+
+    def _check_rope(self) -> None:
+        try:  # a checkpoint manifest or config.json gives the type as a string
+            object.__setattr__(self, "rope_type", RopeType(self.rope_type))
+        except ValueError:
+            known = ", ".join(RopeType)
+            raise ValueError(f"model.rope_type={self.rope_type!r} is not one of {known}") from None
+        defaults = {f.name: f.default for f in dataclasses.fields(LlamaConfig)}
+        for name, types in ROPE_SCALING_FIELDS.items():
+            if self.rope_type not in types and getattr(self, name) != defaults[name]:
+                raise ValueError(f"model.{name}={getattr(self, name)} has no effect with model.rope_type="
+                                 f"{self.rope_type}; it applies to rope_type {' or '.join(types)}")
+        if self.rope_theta <= 0:
+            raise ValueError(f"model.rope_theta must be positive, got {self.rope_theta}")
+        if self.rope_factor < 1:
+            raise ValueError(f"model.rope_factor must be at least 1, got {self.rope_factor}")
+        if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+            raise ValueError(
+                f"need 0 < model.rope_low_freq_factor < model.rope_high_freq_factor, got "
+                f"{self.rope_low_freq_factor} and {self.rope_high_freq_factor}"
+            )
+        if self.rope_original_max_positions <= 0:
+            raise ValueError(
+                f"model.rope_original_max_positions must be positive, got {self.rope_original_max_positions}"
+            )
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def rope(self) -> Rope:
+        """θ and the scaling that give RoPE its rates (`codatrain.kernels.stages.rope_inv_freq`)."""
+        return Rope(self.rope_theta, self.rope_type, self.rope_factor, self.rope_low_freq_factor,
+                    self.rope_high_freq_factor, self.rope_original_max_positions)
 
     @property
     def qkv_dim(self) -> int:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from codatrain.kernels.attention import Documents, document_attention, documents_from_ids
-from codatrain.kernels.stages import IGNORE_INDEX, rope_inv_freq
+from codatrain.kernels.stages import IGNORE_INDEX, Rope, rope_inv_freq
 from codatrain.model.config import LlamaConfig
 from codatrain.model.init import init_canonical_weights
 from codatrain.model.layout import Canonical, Layout, canonical_names
@@ -33,11 +33,11 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+    positions: torch.Tensor, head_dim: int, rope: Rope, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of shape (*positions.shape, head_dim) in the HF convention: angles repeated over
     both halves."""
-    angles = positions.to(torch.float64)[..., None] * rope_inv_freq(head_dim, theta, positions.device)
+    angles = positions.to(torch.float64)[..., None] * rope_inv_freq(head_dim, rope, positions.device)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -197,7 +197,7 @@ class Llama(nn.Module):
             positions = torch.arange(past, past + seq, device=tokens.device)  # (T,), shared by every row
         else:
             positions = documents.positions.view(batch, 1, seq)  # (B, 1, T): broadcast over heads
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope, x.dtype)
         for i, layer in enumerate(self.layers):
             # Training calls each (possibly wrapped or compiled) block exactly as it did before caches.
             if cache is None:
