@@ -19,7 +19,7 @@ ROPE_SCALING_FIELDS = {
 # Fields that decide tensor shapes or the function the model computes; max_seq_len and init_std
 # may change between a checkpoint and the run that loads it.
 ARCHITECTURE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "rope_theta",
-                       "rope_type", *ROPE_SCALING_FIELDS, "norm_eps")
+                       "rope_type", *ROPE_SCALING_FIELDS, "norm_eps", "tie_embeddings")
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class LlamaConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_max_positions: int = 8192
     norm_eps: float = 1e-5
+    tie_embeddings: bool = False  # the LM head is the embedding matrix (one parameter)
     max_seq_len: int = 8192
     init_std: float = 0.02
 
@@ -116,12 +117,15 @@ class LlamaConfig:
         return qkv + out + mlp
 
     def matmul_params(self) -> int:
-        """Parameters that take part in a matmul: every linear layer and the LM head (not the embedding)."""
+        """Parameters that take part in a matmul: every linear layer and the LM head (not the embedding
+        lookup). A tied head is a GEMM all the same."""
         return self.n_layers * self.layer_matmul_params() + self.dim * self.vocab_size
 
     def num_params(self) -> int:
+        """Every parameter once: a tied embedding and head are one matrix."""
         norms = (2 * self.n_layers + 1) * self.dim
-        return self.matmul_params() + self.vocab_size * self.dim + norms
+        embedding = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        return self.matmul_params() + embedding + norms
 
     # ---- FLOPs ------------------------------------------------------------------------------
     def flops_per_token(self, seq_len: int) -> float:

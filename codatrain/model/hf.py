@@ -74,7 +74,7 @@ def config_to_hf(cfg: LlamaConfig, dtype: torch.dtype = torch.float32) -> dict[s
         "attention_bias": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": cfg.tie_embeddings,
         "initializer_range": cfg.init_std,
         "torch_dtype": dtype_name,
     }
@@ -140,6 +140,7 @@ def config_from_hf(hf: dict[str, Any]) -> LlamaConfig:
         ffn_dim=hf["intermediate_size"],
         vocab_size=hf["vocab_size"],
         **rope,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),  # HF LlamaConfig's default
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # HF LlamaConfig defaults
         max_seq_len=hf.get("max_position_embeddings", 2048),
         init_std=float(hf.get("initializer_range", 0.02)),
@@ -305,22 +306,16 @@ class HFCheckpoint:
     def get(self, name: str) -> torch.Tensor:
         return self._open(name).get_tensor(name)
 
-    @property
-    def tied_embeddings(self) -> bool:
-        """True when the head reuses the embedding: no lm_head.weight is stored."""
-        return "lm_head.weight" not in self._file_of and bool((self.config or {}).get("tie_word_embeddings"))
-
     def check(self, expected: dict[str, tuple[int, ...]], cfg: LlamaConfig) -> None:
         """Raise one ValueError listing every missing, unexpected or mis-shaped tensor for a model
-        whose canonical tensors are `expected` (name → shape)."""
-        problems, wanted = [], set()
+        whose canonical tensors are `expected` (name → shape). For a tied model a stored
+        lm_head.weight is not read, as transformers ignores it."""
+        problems, wanted = [], {"lm_head.weight"} if cfg.tie_embeddings else set()
         for canonical, shape in expected.items():
             rows = hf_split_rows(canonical, cfg) or [shape[0]]
             for name, n_rows in zip(hf_names(canonical), rows, strict=True):
                 wanted.add(name)
                 want = (n_rows, *shape[1:])
-                if name == "lm_head.weight" and self.tied_embeddings:
-                    continue
                 if name not in self._file_of:
                     problems.append(f"missing {name} (expected shape {list(want)})")
                 elif self.shape(name) != want:
@@ -335,7 +330,5 @@ class HFCheckpoint:
     def canonical(self, canonical: str) -> torch.Tensor:
         """One canonical tensor, assembled from its HF parts (`check` first for clear errors)."""
         names = hf_names(canonical)
-        if names == ["lm_head.weight"] and self.tied_embeddings:
-            names = ["model.embed_tokens.weight"]
         parts = [self.get(name) for name in names]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

@@ -165,7 +165,9 @@ class Llama(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # A tied head reads the embedding's parameter in forward rather than sharing it as a second
+        # module's weight: `to_empty` (meta-device init) would untie two modules' weights.
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if self.embed_tokens.weight.device.type != "meta":  # on meta, the trainer inits after sharding
             self.init_weights(seed=0)
 
@@ -204,5 +206,6 @@ class Llama(nn.Module):
                 x = layer(x, cos, sin, documents)
             else:
                 x = layer(x, cos, sin, documents, cache.layers[i])
-        logits = self.lm_head(self.norm(x))
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(self.norm(x), head)
         return logits if targets is None else lm_loss(logits, targets, reduction)

@@ -50,8 +50,7 @@ def load_hf_weights(model: nn.Module, path: str | os.PathLike, model_cfg: LlamaC
     for native, param in params.items():
         canonical = layout[native]
         set_full_tensor(param, canonical.to_native(ckpt.canonical(canonical.name).to(param.dtype)))
-    tied = " (tied embeddings: lm_head starts as a copy of embed_tokens)" if ckpt.tied_embeddings else ""
-    log(f"initialised weights from {path}{tied}")
+    log(f"initialised weights from {path}")
 
 
 def _checkpoint_model_tensors(path: Path, manifest: dict[str, Any],
