@@ -138,6 +138,10 @@ class LlamaConfig:
         return 6 * self.matmul_params() + attention
 
 
+# Llama 3.1 and 3.2's RoPE scaling, less the factor (θ = 500000 is the field's default).
+_LLAMA3_ROPE = {"rope_type": RopeType.llama3, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
+                "rope_original_max_positions": 8192}
+
 PRESETS: dict[str, LlamaConfig] = {
     # Trains a few hundred steps in about a minute on two CPU cores; vocab fits the byte tokenizer.
     "tiny": LlamaConfig(
@@ -152,6 +156,20 @@ PRESETS: dict[str, LlamaConfig] = {
     ),
     "llama3_8b": LlamaConfig(
         dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
+    ),
+    # The published Llama 3.x checkpoints (their config.json): llama3_1b and llama3_8b above keep
+    # their unscaled RoPE and untied head, so that benchmarks stay comparable.
+    "llama3_2_1b": LlamaConfig(
+        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, vocab_size=128256,
+        tie_embeddings=True, max_seq_len=131072, **_LLAMA3_ROPE, rope_factor=32.0,
+    ),
+    "llama3_2_3b": LlamaConfig(
+        dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim=8192, vocab_size=128256,
+        tie_embeddings=True, max_seq_len=131072, **_LLAMA3_ROPE, rope_factor=32.0,
+    ),
+    "llama3_1_8b": LlamaConfig(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
+        max_seq_len=131072, **_LLAMA3_ROPE, rope_factor=8.0,
     ),
 }
 
