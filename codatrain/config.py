@@ -19,7 +19,10 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from codatrain.model.config import LlamaConfig, get_preset
+from codatrain.model.config import ARCHITECTURE_FIELDS, LlamaConfig, get_preset
+
+# `model=hf`: no preset, the architecture of the weights checkpoint.init_from names.
+FOLDER_PRESET = "hf"
 
 
 class BlockImpl(StrEnum):
@@ -111,14 +114,25 @@ def _require_not_negative(node: object, prefix: str, *names: str) -> None:
             raise ValueError(f"{prefix}.{name} must be 0 or more, got {value}")
 
 
-def model_config(cfg: Any) -> LlamaConfig:
-    """The `LlamaConfig` of a `model` node: its preset with the fields that were set."""
+def model_config(cfg: Any, folder: LlamaConfig | None = None, source: str = "") -> LlamaConfig:
+    """The `LlamaConfig` of a `model` node: its preset with the fields that were set. For model=hf
+    the base is `folder`, the architecture found at `source` (checkpoint.init_from), and a field
+    set to another architecture than the folder's is a ValueError naming the key."""
     overrides = {
         f.name: getattr(cfg, f.name)
         for f in dataclasses.fields(LlamaConfig)
         if getattr(cfg, f.name) is not None
     }
-    return get_preset(cfg.preset).replace(**overrides)
+    if cfg.preset != FOLDER_PRESET:
+        return get_preset(cfg.preset).replace(**overrides)
+    if folder is None:
+        raise ValueError("model=hf takes the architecture from the weights it starts from: set "
+                         "checkpoint.init_from=<Hugging Face folder or codatrain checkpoint>")
+    for key in ARCHITECTURE_FIELDS:
+        if key in overrides and overrides[key] != getattr(folder, key):
+            raise ValueError(f"model.{key}={overrides[key]} contradicts {source}, whose architecture has "
+                             f"{key}={getattr(folder, key)}; leave model.{key} unset with model=hf")
+    return folder.replace(**overrides)
 
 
 def _model_schema() -> type:
@@ -130,7 +144,8 @@ def _model_schema() -> type:
     ]
 
     def __post_init__(self: Any) -> None:  # an unknown preset or a bad field fails with its key named
-        model_config(self)
+        if self.preset != FOLDER_PRESET:  # model=hf is checked against its folder when the run starts
+            model_config(self)
 
     namespace = {"__post_init__": __post_init__, "__doc__": _model_schema.__doc__, "__module__": __name__}
     return dataclasses.make_dataclass("ModelConfig", fields, namespace=namespace)
@@ -170,7 +185,9 @@ class DataConfig:
     text_column: str = "text"  # json / parquet / hub column holding the document text
     text_sample_by: TextSampleBy = TextSampleBy.document  # plain-text files: what one document is
     max_documents: int | None = None  # use only the first N documents of the source
-    tokenizer: str = "byte"  # byte | a local HF tokenizer.json or tokenizer folder
+    # byte | a local HF tokenizer.json or tokenizer folder; null: the tokenizer of the
+    # checkpoint.init_from folder when it has one (the weights were trained with it), else byte
+    tokenizer: str | None = None
     seq_len: int = 128
     keep_document_boundaries: bool = False  # batches carry per-token document ids (Batch.doc_ids)
     val_fraction: float = 0.02  # held-out share of documents, when no val_path / val_split is given

@@ -108,8 +108,7 @@ class Inputs:
         self.tokens = torch.randint(0, cfg.vocab_size, (tokens,), device=device)
         self.positions = torch.arange(tokens, device=device) % seq_len
         self.sq_partials = torch.rand(tokens, -(-d // 128), device=device)
-        self.rope = {"head_dim": cfg.head_dim, "rope_heads": cfg.n_heads + cfg.n_kv_heads,
-                     "rope_theta": cfg.rope_theta}
+        self.rope = {"head_dim": cfg.head_dim, "rope_heads": cfg.n_heads + cfg.n_kv_heads, "rope": cfg.rope}
         # Backward operands: gradients arriving at the stages, and the forward tensors they read.
         self.qkv = randn(tokens, cfg.qkv_dim)
         self.dqkv = randn(tokens, cfg.qkv_dim)
@@ -197,7 +196,7 @@ def layer_rows(
 
     with torch.device(device):
         block = Block(c).to(x.x.dtype)
-    cos, sin = rope_cos_sin(torch.arange(t, device=device), c.head_dim, c.rope_theta, x.x.dtype)
+    cos, sin = rope_cos_sin(torch.arange(t, device=device), c.head_dim, c.rope, x.x.dtype)
     x_btd = x.x.view(b, t, c.dim)
 
     def eager_layer() -> torch.Tensor:
@@ -255,7 +254,7 @@ def fwd_bwd_fns(
         qkv_in.grad = x_in.grad = None
         torch.autograd.backward(layer(qkv_in, x_in, step), (dx_out, dqkv_out))
 
-    cos, sin = rope_cos_sin(torch.arange(t, device=device), c.head_dim, c.rope_theta, dtype)
+    cos, sin = rope_cos_sin(torch.arange(t, device=device), c.head_dim, c.rope, dtype)
     x_btd = x.x.view(b, t, c.dim).detach().clone().requires_grad_()
     dout = dx_out.view(b, t, c.dim)
 

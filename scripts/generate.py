@@ -10,29 +10,21 @@ Greedy by default (--temperature 0). The tokenizer is the folder's own when it h
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-from codatrain.data.tokenizer import load_tokenizer
-from codatrain.model import Llama, LlamaConfig
+from codatrain.data.tokenizer import folder_tokenizer, load_tokenizer
+from codatrain.model import Llama
 from codatrain.model.generate import generate
-from codatrain.model.hf import HFCheckpoint, config_from_hf
 from codatrain.train.checkpoint import CheckpointError, inspect_checkpoint
-from codatrain.train.hf_io import is_checkpoint, load_init_weights
+from codatrain.train.hf_io import is_checkpoint, load_init_weights, saved_architecture
 
 
 def load_model(path: str, device: str) -> Llama:
     """The eager model with the weights of a codatrain checkpoint (config from its manifest) or of
     an HF Llama folder (config from its config.json)."""
     manifest = inspect_checkpoint(path) if is_checkpoint(path) else None
-    if manifest is not None:
-        cfg = LlamaConfig(**manifest["model_config"])
-    else:
-        hf_config = HFCheckpoint(path).config
-        if hf_config is None:
-            raise ValueError(f"{path} has no config.json")
-        cfg = config_from_hf(hf_config)
+    cfg = saved_architecture(path)
     with torch.device("meta"):  # every weight is loaded, so none is initialised first
         model = Llama(cfg)
     model.to_empty(device=device)
@@ -54,10 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", default=None,
                         help="byte | a tokenizer.json or tokenizer folder (default: see above)")
     args = parser.parse_args(argv)
-    folder = Path(args.path)
-    has_tokenizer = (folder / "tokenizer.json").is_file() or (folder / "tokenizer_config.json").is_file()
     try:
-        tokenizer = load_tokenizer(args.tokenizer or (args.path if has_tokenizer else "byte"))
+        tokenizer = load_tokenizer(args.tokenizer or folder_tokenizer(args.path))
         model = load_model(args.path, args.device)
     except (CheckpointError, ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -160,3 +160,26 @@ def test_resume_from_two_processes_onto_one(tmp_path, run_torchrun):
     two_val = {r["step"]: r["val_loss"] for r in read_records(tmp_path / "two") if "val_loss" in r}
     assert sorted(two_val) == [4, 8] and sorted(one.val_losses) == [8]
     assert one.val_losses[8] == pytest.approx(two_val[8], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_tied_llama3_coda_model_under_fsdp2_resumes_on_one_eager_process(tmp_path, run_torchrun):
+    """A tied head and scaled RoPE under FSDP2 (the shared matrix in the root's group), with
+    validation and checkpoints on: the checkpoint holds no head tensor, and one eager process
+    resumed from it trains on as the two CODA processes did (a wrong gradient of the shared matrix
+    would part them from step 6)."""
+    llama3 = [o for o in FAST if not o.startswith("train.val_every=")] + [
+        "train.val_every=4", "train.val_batches=2", "model.tie_embeddings=true", "model.rope_type=llama3",
+        "model.rope_factor=8", "model.rope_original_max_positions=32",  # windows of 64 reach past it
+    ]
+    proc = run_torchrun(2, [*llama3, "block=coda", "block.backend=reference",
+                            f"train.run_dir={tmp_path / 'two'}", "checkpoint.every=4"])
+    assert "step 4/8 | val loss" in proc.stdout + proc.stderr
+    two = read_losses(tmp_path / "two")
+    step_4 = tmp_path / "two/checkpoints/step_4"
+    export_checkpoint_to_hf(step_4, tmp_path / "hf")
+    assert "lm_head.weight" not in HFCheckpoint(tmp_path / "hf").keys()
+    one = train(load_config([*llama3, f"train.run_dir={tmp_path / 'one'}", f"checkpoint.resume={step_4}"]))
+    assert sorted(one.losses) == list(range(5, STEPS + 1))
+    for step, loss in one.losses.items():
+        assert loss == pytest.approx(two[step], rel=1e-4), step

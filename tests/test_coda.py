@@ -66,6 +66,13 @@ CONFIGS = {
     # MQA 6:1, 5 layers, head dim 6, eps larger than usual
     "mqa6-L5": LlamaConfig(dim=36, n_layers=5, n_heads=6, n_kv_heads=1, ffn_dim=50, vocab_size=100,
                            norm_eps=1e-3),
+    # Llama 3 RoPE scaling with a pretraining context of 8 positions (the batches have 13), and
+    # the head tied to the embedding: its weight gradient adds into the embedding's
+    "llama3-tied-L2": LlamaConfig(dim=48, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=40, vocab_size=97,
+                                  rope_theta=10000.0, rope_type="llama3", rope_factor=8.0,
+                                  rope_original_max_positions=8, tie_embeddings=True),
+    "linear-L1": LlamaConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=24, vocab_size=50,
+                             rope_type="linear", rope_factor=4.0),
 }
 
 

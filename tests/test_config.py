@@ -123,7 +123,9 @@ def readme_recipes() -> dict[str, dict]:
 def test_every_preset_has_its_recipe_and_the_readme_lists_it():
     table = readme_recipes()
     presets = sorted(path.stem for path in (REPO / "configs" / "model").glob("*.yaml"))
-    assert sorted(table) == presets == ["llama3_125m", "llama3_1b", "llama3_8b", "tiny"]
+    assert sorted(table) == presets == [
+        "hf", "llama3_125m", "llama3_1_8b", "llama3_1b", "llama3_2_1b", "llama3_2_3b", "llama3_8b", "tiny"
+    ]
     for preset in presets:
         run = validate(load_config([f"model={preset}"]))
         assert run.model.preset == preset

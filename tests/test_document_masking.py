@@ -120,7 +120,7 @@ def test_rope_positions_restart_at_each_document():
     eager(tokens, targets, doc_ids=DOC_IDS)
     coda(tokens, targets, doc_ids=DOC_IDS)
     assert seen["positions"].tolist() == expected.flatten().tolist()
-    cos, _ = rope_cos_sin(expected[:, None], cfg.head_dim, cfg.rope_theta, torch.float64)
+    cos, _ = rope_cos_sin(expected[:, None], cfg.head_dim, cfg.rope, torch.float64)
     assert torch.equal(seen["cos"], cos)
 
 

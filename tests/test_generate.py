@@ -15,12 +15,15 @@ from codatrain.model.hf import save_hf
 from codatrain.model.llama import KVCache
 from codatrain.train.trainer import train
 
-# Default RoPE and an untied head: what the HF export writes.
+# Default RoPE and an untied head.
 CFG = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=258, max_seq_len=64)
+# Llama 3.2's RoPE scaling and tied head; generation runs far past the pretraining context of 8.
+LLAMA3_TIED = CFG.replace(rope_type="llama3", rope_factor=32.0, rope_original_max_positions=8,
+                          tie_embeddings=True)
 
 
-def tiny_model(seed: int = 0) -> Llama:
-    model = Llama(CFG)
+def tiny_model(seed: int = 0, cfg: LlamaConfig = CFG) -> Llama:
+    model = Llama(cfg)
     model.init_weights(seed)
     return model.eval()
 
@@ -47,11 +50,13 @@ def load_script():
     return module
 
 
-def test_greedy_tokens_equal_transformers_generate(tmp_path):
+@pytest.mark.parametrize("cfg", [CFG, LLAMA3_TIED], ids=["default-rope-untied", "llama3-rope-tied"])
+def test_greedy_tokens_equal_transformers_generate(tmp_path, cfg):
     transformers = pytest.importorskip("transformers")
-    model = tiny_model()
-    save_hf(tmp_path, CFG, model.state_dict().items())
+    model = tiny_model(cfg=cfg)
+    save_hf(tmp_path, cfg, model.state_dict().items())
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    assert hf.config.tie_word_embeddings == cfg.tie_embeddings
     tokens = prompts()
     expected = hf.generate(
         tokens, attention_mask=torch.ones_like(tokens), max_new_tokens=20, do_sample=False,

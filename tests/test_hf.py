@@ -55,16 +55,6 @@ def test_config_round_trip():
     assert config_from_hf(legacy) == CFG
 
 
-@pytest.mark.parametrize("rope", [
-    {"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0},
-    {"type": "linear", "factor": 2.0},
-])
-def test_unsupported_rope_scaling_is_rejected(rope):
-    hf_cfg = config_to_hf(CFG) | {"rope_parameters": rope}
-    with pytest.raises(ValueError, match="RoPE scaling type .* is not supported"):
-        config_from_hf(hf_cfg)
-
-
 def test_export_gives_transformers_the_same_logits(tmp_path):
     model = ours()
     save_hf(tmp_path, CFG, model.state_dict().items())
@@ -101,13 +91,47 @@ def test_sharded_export_keeps_shards_under_the_limit_and_indexes_them(tmp_path, 
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_import_of_transformers_weights_gives_the_same_logits(tmp_path, tie):
+    cfg = CFG.replace(tie_embeddings=tie)
     hf = random_hf_model(tie)
     hf.save_pretrained(tmp_path)  # safetensors; a tied head is not stored
-    model = ours(seed=5)
-    logs = []
-    load_hf_weights(model, tmp_path, CFG, logs.append)
+    with safe_open(tmp_path / "model.safetensors", framework="pt") as f:
+        assert ("lm_head.weight" in f.keys()) == (not tie)
+    model = ours(cfg, seed=5)
+    load_hf_weights(model, tmp_path, cfg, print)
     assert_same_logits(model, hf)
-    assert ("tied embeddings" in logs[0]) == tie
+    if tie:  # a tied folder into an untied model: the architecture check names the key
+        untied = r"tie_embeddings: True there, False here.*model\.tie_embeddings=True"
+        with pytest.raises(ValueError, match=untied):
+            load_hf_weights(ours(), tmp_path, CFG, print)
+
+
+# Each feature of Llama 3.x folders; the pretraining context of 16 positions is shorter than TOKENS.
+FEATURES = {
+    "llama3-rope": CFG.replace(rope_type="llama3", rope_factor=4.0, rope_original_max_positions=16),
+    "linear-rope": CFG.replace(rope_type="linear", rope_factor=2.0),
+    "tied": CFG.replace(tie_embeddings=True),
+    "llama3-rope-tied": CFG.replace(rope_type="llama3", rope_factor=32.0, rope_original_max_positions=16,
+                                    tie_embeddings=True),
+}
+
+
+@pytest.mark.parametrize("name", list(FEATURES))
+def test_export_of_each_llama3_feature_gives_transformers_the_same_logits(tmp_path, name):
+    """RoPE scaling and a tied head survive the export: transformers' fp32 logits at positions past
+    the pretraining context equal ours, a tied head stores no tensor, and the folder imports back."""
+    cfg = FEATURES[name]
+    model = ours(cfg)
+    save_hf(tmp_path, cfg, model.state_dict().items())
+    hf = LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    assert hf.config.tie_word_embeddings == cfg.tie_embeddings
+    assert hf.config.rope_parameters["rope_type"] == cfg.rope_type
+    with safe_open(tmp_path / "model.safetensors", framework="pt") as f:
+        assert ("lm_head.weight" in f.keys()) == (not cfg.tie_embeddings)
+    assert TOKENS.shape[1] > cfg.rope_original_max_positions or cfg.rope_type != "llama3"
+    assert_same_logits(model, hf)
+    back = ours(cfg, seed=5)
+    load_hf_weights(back, tmp_path, cfg, print)
+    assert_same_logits(back, hf)
 
 
 def test_import_of_a_bare_safetensors_file(tmp_path):

@@ -83,6 +83,32 @@ def test_param_and_flop_counts_by_hand():
     assert sum(p.numel() for p in Llama(cfg).parameters()) == cfg.num_params()
     # 6·N_matmul + 12·L·h_q·d_h·T at T = 32
     assert cfg.flops_per_token(32) == 6 * (3 * 30720 + 6400) + 12 * 3 * 4 * 16 * 32
+    # Tied: the shared matrix is one parameter, and the head GEMM still counts in the FLOPs.
+    tied = cfg.replace(tie_embeddings=True)
+    assert tied.num_params() == cfg.num_params() - 100 * 64
+    assert sum(p.numel() for p in Llama(tied).parameters()) == tied.num_params()
+    assert tied.flops_per_token(32) == cfg.flops_per_token(32)
+
+
+@pytest.mark.parametrize("preset, published", [
+    ("llama3_2_1b", 1_235_814_400), ("llama3_2_3b", 3_212_749_824), ("llama3_1_8b", 8_030_261_248),
+])
+def test_llama3_x_presets_have_the_published_parameter_counts_and_config(preset, published):
+    """The counts of the Hugging Face checkpoints meta-llama/Llama-3.2-1B, -3.2-3B and -3.1-8B, and
+    their config.json's architecture keys (as transformers' LlamaConfig holds them)."""
+    from transformers import LlamaConfig as HFLlamaConfig
+
+    from codatrain.model.hf import config_to_hf
+
+    cfg = get_preset(preset)
+    assert cfg.num_params() == published
+    hf = HFLlamaConfig.from_dict(config_to_hf(cfg))
+    factor = 8.0 if preset == "llama3_1_8b" else 32.0
+    assert hf.rope_parameters == {"rope_type": "llama3", "rope_theta": 500000.0, "factor": factor,
+                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                  "original_max_position_embeddings": 8192}
+    assert hf.tie_word_embeddings == (preset != "llama3_1_8b")
+    assert (hf.max_position_embeddings, hf.rms_norm_eps, hf.vocab_size) == (131072, 1e-5, 128256)
 
 
 def test_llama3_8b_flops_match_published_shape():

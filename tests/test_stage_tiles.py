@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from test_coda import assert_close_to, canonical_grads, model_pair
 
 from codatrain.kernels.reference import ReferenceStages
-from codatrain.kernels.stages import IGNORE_INDEX
+from codatrain.kernels.stages import IGNORE_INDEX, Rope
 from codatrain.model.config import LlamaConfig
 
 M, TILE_M = 300, 128  # three row tiles, the last one partial
@@ -19,7 +19,7 @@ D, F_MLP, V = 24, 20, 37
 HEAD_DIM, ROPE_HEADS, KV_HEADS = 4, 3, 1  # QKV: 2 q + 1 k rotated heads, 1 v head
 N_QKV = (ROPE_HEADS + KV_HEADS) * HEAD_DIM
 EPS, THETA = 1e-5, 1000.0
-ROPE = {"head_dim": HEAD_DIM, "rope_heads": ROPE_HEADS, "rope_theta": THETA}
+ROPE = {"head_dim": HEAD_DIM, "rope_heads": ROPE_HEADS, "rope": Rope(THETA)}
 
 
 @pytest.fixture

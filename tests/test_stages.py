@@ -14,6 +14,7 @@ from codatrain.kernels.stages import (
     HEAD_CHUNK_MULTIPLE,
     IGNORE_INDEX,
     BackendUnavailableError,
+    Rope,
     StageBackend,
     get_backend,
     register_backend,
@@ -23,7 +24,7 @@ M, D, K, F, V = 37, 40, 24, 18, 29  # rows, model width, out-proj input, MLP wid
 HEAD_DIM, ROPE_HEADS, KV_HEADS = 8, 3, 1  # QKV: 3 rotated heads (2 q + 1 k) and 1 v head
 N_QKV = (ROPE_HEADS + KV_HEADS) * HEAD_DIM
 EPS, THETA = 1e-5, 1000.0
-ROPE = {"head_dim": HEAD_DIM, "rope_heads": ROPE_HEADS, "rope_theta": THETA}
+ROPE = {"head_dim": HEAD_DIM, "rope_heads": ROPE_HEADS, "rope": Rope(THETA)}
 
 
 @pytest.fixture
@@ -255,7 +256,7 @@ def test_cute_stages_trace_under_compile():
     from codatrain.kernels.cute import CuteStages
 
     cute, ref = CuteStages(), ReferenceStages()
-    m, d, f, v, pairs = 64, 32, 48, 96, {"head_dim": 8, "rope_heads": 3, "rope_theta": THETA}
+    m, d, f, v, pairs = 64, 32, 48, 96, {"head_dim": 8, "rope_heads": 3, "rope": Rope(THETA)}
     act = {"dtype": torch.bfloat16, "device": "meta"}
     h, x, w_gu, w_down = torch.empty(m, d, **act), torch.empty(m, d, **act), torch.empty(2 * f, d, **act), \
         torch.empty(d, f, **act)

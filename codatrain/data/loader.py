@@ -253,10 +253,10 @@ def _stream_loaders(cfg: DataConfig, tokenizer: Tokenizer,
     return train, val
 
 
-def _check_vocab(vocab_size: int, model_vocab_size: int, tokenizer: str) -> None:
+def _check_vocab(vocab_size: int, model_vocab_size: int, tokenizer: str | None) -> None:
     if vocab_size > model_vocab_size:
-        raise ValueError(f"tokenizer {tokenizer!r} has {vocab_size} token ids, more than model.vocab_size="
-                         f"{model_vocab_size}")
+        raise ValueError(f"data.tokenizer={tokenizer or 'byte'} has {vocab_size} token ids, more than "
+                         f"model.vocab_size={model_vocab_size}; use the tokenizer the model was trained with")
 
 
 def prepare_streams(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> Streams:

@@ -176,7 +176,7 @@ def chat_template_encoder(hf_tokenizer: Any) -> Encoder:
 
 def make_encoder(cfg: DataConfig, tokenizer: Tokenizer) -> tuple[Encoder, str]:
     """The encoder of `cfg` and the name of its template, for the run's report."""
-    folder = Path(cfg.tokenizer)
+    folder = Path(cfg.tokenizer or "byte")
     if cfg.sft_template == SFTTemplate.auto and (folder / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
 

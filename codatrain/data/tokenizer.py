@@ -8,6 +8,7 @@ tokenizer never reuses tokens made by another.
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 from typing import Protocol
 
@@ -107,6 +108,15 @@ def _from_folder(folder: Path) -> tuple[object, int | None, int | None]:
     return tok.backend_tokenizer, (bos if bos != eos else None), eos
 
 
-def load_tokenizer(spec: str) -> Tokenizer:
-    """`byte`, or a local tokenizer.json / Hugging Face tokenizer folder."""
-    return ByteTokenizer() if spec == "byte" else HFTokenizer(spec)
+def load_tokenizer(spec: str | None) -> Tokenizer:
+    """`byte` (or None), or a local tokenizer.json / Hugging Face tokenizer folder."""
+    return ByteTokenizer() if spec in (None, "byte") else HFTokenizer(spec)
+
+
+def folder_tokenizer(folder: str | os.PathLike | None) -> str | None:
+    """`folder` when it holds a tokenizer (weights saved with theirs: an HF folder), else None."""
+    if folder is None:
+        return None
+    path = Path(folder)
+    found = (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()
+    return str(path) if found else None

@@ -22,6 +22,7 @@ from codatrain.kernels.stages import (
     LseOut,
     ResidualOut,
     RmsBwdOut,
+    Rope,
     RopeBwdOut,
     StageBackend,
     SwigluOut,
@@ -32,14 +33,14 @@ from codatrain.kernels.stages import (
 
 
 def _rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, rope_theta: float, dtype: torch.dtype
+    positions: torch.Tensor, head_dim: int, rope: Rope, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin (M, 1, head_dim/2) of angle position · θ_i, θ_i = rope_theta^(-2i/head_dim).
+    """cos/sin (M, 1, head_dim/2) of angle position · θ_i, θ_i = rope_inv_freq(head_dim, rope)[i].
 
     Angles are formed in fp64 (as the eager model does): at positions in the thousands an fp32
     angle would already be off by ~1e-3 rad.
     """
-    inv_freq = rope_inv_freq(head_dim, rope_theta, positions.device)
+    inv_freq = rope_inv_freq(head_dim, rope, positions.device)
     angles = positions.to(torch.float64)[:, None, None] * inv_freq
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -122,10 +123,10 @@ class ReferenceStages(StageBackend):
         *,
         head_dim: int,
         rope_heads: int,
-        rope_theta: float,
+        rope: Rope,
     ) -> torch.Tensor:
         z = (h @ weight.t()).to(rstd.dtype) * rstd[:, None]
-        cos, sin = _rope_cos_sin(positions, head_dim, rope_theta, rstd.dtype)
+        cos, sin = _rope_cos_sin(positions, head_dim, rope, rstd.dtype)
         return _rotate_pairs(z, cos, sin, head_dim, rope_heads).to(h.dtype)
 
     def gemm_rstd(self, h: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
@@ -199,11 +200,11 @@ class ReferenceStages(StageBackend):
         *,
         head_dim: int,
         rope_heads: int,
-        rope_theta: float,
+        rope: Rope,
     ) -> RopeBwdOut:
         st = stat_dtype(dqkv.dtype)
         dqkv_s = dqkv.to(st)
-        cos, sin = _rope_cos_sin(positions, head_dim, rope_theta, st)
+        cos, sin = _rope_cos_sin(positions, head_dim, rope, st)
         # The transpose of a rotation is the rotation by the opposite angle.
         dz = _rotate_pairs(dqkv_s, cos, -sin, head_dim, rope_heads)
         return RopeBwdOut(dz.to(dqkv.dtype), (qkv.to(st) * dqkv_s).sum(-1))

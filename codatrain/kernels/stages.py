@@ -17,7 +17,7 @@ Conventions shared by every stage
   `stat_dtype(activation dtype)`: fp32 for 16-bit inputs, the input dtype otherwise.
 - Layouts are the CODA layouts, not the canonical (HF) ones: gate/up weight rows are interleaved
   ``[g0, u0, g1, u1, …]``; inside each q and k head the RoPE pairs are adjacent columns
-  ``(2i, 2i+1)``, rotated by angle ``position · rope_theta^(-2i/head_dim)`` as
+  ``(2i, 2i+1)``, rotated by angle ``position · rope_inv_freq(head_dim, rope)[i]`` as
   ``(a, b) → (a·cos − b·sin, a·sin + b·cos)``. The fused QKV columns are
   ``[q heads | k heads | v heads]``, each head ``head_dim`` wide; the first ``rope_heads`` heads
   (h_q + h_kv) are rotated, the v heads are not.
@@ -43,7 +43,10 @@ decides it once, before a model is built.
 from __future__ import annotations
 
 import importlib
+import math
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from enum import StrEnum
 from typing import NamedTuple, TypeVar
 
 import torch
@@ -66,9 +69,43 @@ HEAD_CHUNK_ELEMENTS = 1 << 29
 HEAD_CHUNK_MULTIPLE = 256
 
 
-def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str = "cpu") -> torch.Tensor:
-    """fp64 (head_dim/2,): the rotation rate of RoPE pair i, theta^(-2i/head_dim)."""
-    return 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
+class RopeType(StrEnum):
+    """RoPE's frequency schedules, named as Hugging Face's `rope_type`."""
+
+    default = "default"  # θ^(-2i/d_h)
+    linear = "linear"  # every rate divided by `factor` (position interpolation)
+    llama3 = "llama3"  # Llama 3.1's: long wavelengths divided by `factor`, short ones kept, smoothed between
+
+
+@dataclass(frozen=True)
+class Rope:
+    """What fixes RoPE's per-pair rotation rates: the base θ and the scaling (`rope_inv_freq`).
+    Hashable, so a kernel's frequency table can be cached per value."""
+
+    theta: float
+    type: RopeType = RopeType.default
+    factor: float = 1.0  # linear, llama3
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_positions: int = 8192  # llama3: the context length the model was pretrained at
+
+
+def rope_inv_freq(head_dim: int, rope: Rope, device: torch.device | str = "cpu") -> torch.Tensor:
+    """fp64 (head_dim/2,): the rotation rate of RoPE pair i, theta^(-2i/head_dim) scaled as
+    `rope.type` says (the formulas of transformers' ROPE_INIT_FUNCTIONS)."""
+    exponents = torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim
+    inv_freq = 1.0 / rope.theta ** exponents
+    if rope.type == RopeType.linear:
+        return inv_freq / rope.factor
+    if rope.type == RopeType.llama3:
+        wavelength = 2 * math.pi / inv_freq
+        context = rope.original_max_positions
+        # Wavelengths longer than context / low_freq_factor are slowed by the factor, those shorter
+        # than context / high_freq_factor kept; in between the two blend linearly in context / wavelength.
+        smooth = ((context / wavelength - rope.low_freq_factor)
+                  / (rope.high_freq_factor - rope.low_freq_factor)).clamp(0.0, 1.0)
+        return (1 - smooth) * inv_freq / rope.factor + smooth * inv_freq
+    return inv_freq
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -214,12 +251,13 @@ class StageBackend(ABC):
         *,
         head_dim: int,
         rope_heads: int,
-        rope_theta: float,
+        rope: Rope,
     ) -> torch.Tensor:
         """F4: row-scaled QKV GEMM with RoPE on the q and k heads.
 
         h (M, d); weight (N_qkv, d) in the CODA layout (RoPE pairs adjacent); rstd (M,);
-        positions (M,) int64 position of each token within its sequence.
+        positions (M,) int64 position of each token within its sequence; rope: θ and the scaling
+        that give pair i its rate `rope_inv_freq(head_dim, rope)[i]`.
         Returns qkv (M, N_qkv) = rope(rstd ⊙ (h·Wᵀ)), rotating adjacent pairs of the first
         rope_heads·head_dim columns (module docstring); the v columns pass through.
         """
@@ -283,7 +321,7 @@ class StageBackend(ABC):
         *,
         head_dim: int,
         rope_heads: int,
-        rope_theta: float,
+        rope: Rope,
     ) -> RopeBwdOut:
         """Backward of F4's RoPE epilogue, with the ZdZ of the attention norm.
 

@@ -13,6 +13,11 @@ parameters its stages touch ("shifted" layers), and FSDP2 can shard one module a
     layers[i] W_oᵢ, γ_mlpᵢ, W_guᵢ, W_downᵢ, γ_attnᵢ₊₁, W_qkvᵢ₊₁   attention → F1 R1 F2 F3 R2 → F4ᵢ₊₁
     last      W_o, γ_mlp, W_gu, W_down, γ_final, W_lm_head    attention → F1 R1 F2 F3 R2 → LM head
 
+With tied embeddings one (V, d) matrix is the entry's embedding and the last layer's head. It
+belongs to neither: `CodaLlama` owns it and hands it to both, so FSDP2 gathers it in the root's
+group for the whole step (per-block groups could not share it), and autograd adds the head's
+weight gradient into the embedding's.
+
 The checkpoint format stays canonical (eager names and layouts): `CodaLlama.layout()` maps each
 parameter to its canonical tensor and row order (RoPE pairs adjacent inside each q/k head, gate/up
 rows interleaved).
@@ -32,7 +37,7 @@ from codatrain.kernels.attention import (
     documents_from_ids,
     get_attention,
 )
-from codatrain.kernels.stages import IGNORE_INDEX, StageBackend, get_backend
+from codatrain.kernels.stages import IGNORE_INDEX, Rope, StageBackend, get_backend
 from codatrain.model.config import LlamaConfig
 from codatrain.model.init import init_canonical_weights
 from codatrain.model.layout import Canonical, Layout
@@ -46,11 +51,11 @@ class _Consts:
     eps: float
     head_dim: int
     rope_heads: int
-    rope_theta: float
+    rope_config: Rope
 
     @property
     def rope(self) -> dict:
-        return {"head_dim": self.head_dim, "rope_heads": self.rope_heads, "rope_theta": self.rope_theta}
+        return {"head_dim": self.head_dim, "rope_heads": self.rope_heads, "rope": self.rope_config}
 
 
 @dataclass(frozen=True)
@@ -262,7 +267,7 @@ class _FinalLogitsFn(torch.autograd.Function):
 def _consts(cfg: LlamaConfig) -> _Consts:
     return _Consts(
         dim=cfg.dim, eps=cfg.norm_eps, head_dim=cfg.head_dim,
-        rope_heads=cfg.n_heads + cfg.n_kv_heads, rope_theta=cfg.rope_theta,
+        rope_heads=cfg.n_heads + cfg.n_kv_heads, rope_config=cfg.rope,
     )
 
 
@@ -272,21 +277,24 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 class CodaEntry(nn.Module):
-    """Embedding and layer 0's attention norm and QKV weight."""
+    """Embedding (unless tied: `CodaLlama` owns it then) and layer 0's attention norm and QKV weight."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.consts = _consts(cfg)
-        self.embedding = _param(cfg.vocab_size, cfg.dim)
+        self.embedding = None if cfg.tie_embeddings else _param(cfg.vocab_size, cfg.dim)
         self.gamma_attn = _param(cfg.dim)
         self.w_qkv = _param(cfg.qkv_dim, cfg.dim)
 
-    def forward(self, tokens: torch.Tensor, step: ForwardStep) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens (M,) → (x0 (M, d), qkv0 (M, N_qkv))."""
+    def forward(
+        self, tokens: torch.Tensor, step: ForwardStep, tied_embedding: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens (M,) → (x0 (M, d), qkv0 (M, N_qkv)); `tied_embedding` is the model's tied matrix."""
+        embedding = self.embedding if tied_embedding is None else tied_embedding
         with torch.autocast(tokens.device.type, enabled=False):
             # The embedding is not cast as a whole: the entry stage writes its rows in step.dtype.
             return _EntryFn.apply(
-                tokens, step.positions, self.embedding, _cast(self.gamma_attn, step.dtype),
+                tokens, step.positions, embedding, _cast(self.gamma_attn, step.dtype),
                 _cast(self.w_qkv, step.dtype), step.stages, self.consts, step.dtype,
             )
 
@@ -333,21 +341,23 @@ class CodaLayer(_ShiftedLayer):
 
 
 class CodaFinalLayer(_ShiftedLayer):
-    """The last layer plus the final norm γ and the LM head."""
+    """The last layer plus the final norm γ and the LM head (unless tied: `CodaLlama` owns it then)."""
 
     def __init__(self, cfg: LlamaConfig, head_chunk_rows: int) -> None:
         super().__init__(cfg)
         self.head_chunk_rows = head_chunk_rows
         self.gamma_final = _param(cfg.dim)
-        self.w_lm_head = _param(cfg.vocab_size, cfg.dim)
+        self.w_lm_head = None if cfg.tie_embeddings else _param(cfg.vocab_size, cfg.dim)
 
     def forward(
-        self, qkv: torch.Tensor, x: torch.Tensor, step: ForwardStep, targets: torch.Tensor | None
+        self, qkv: torch.Tensor, x: torch.Tensor, step: ForwardStep, targets: torch.Tensor | None,
+        tied_embedding: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """(qkv, x_in, targets (M,)) → the sum of the token losses; without targets, logits (M, V)."""
+        """(qkv, x_in, targets (M,)) → the sum of the token losses; without targets, logits (M, V).
+        `tied_embedding` is the model's tied matrix, the head's weight."""
         o = self.attention(qkv, step)
-        params = [*self.mlp_params(step.dtype), _cast(self.gamma_final, step.dtype),
-                  _cast(self.w_lm_head, step.dtype)]
+        head = self.w_lm_head if tied_embedding is None else tied_embedding
+        params = [*self.mlp_params(step.dtype), _cast(self.gamma_final, step.dtype), _cast(head, step.dtype)]
         with torch.autocast(x.device.type, enabled=False):
             if targets is None:
                 return _FinalLogitsFn.apply(o, x, *params, step.stages, self.consts)
@@ -405,7 +415,9 @@ class CodaLlama(nn.Module):
         self.layers = nn.ModuleList(
             [*(CodaLayer(cfg) for _ in range(cfg.n_layers - 1)), CodaFinalLayer(cfg, chunk_rows)]
         )
-        if self.entry.embedding.device.type != "meta":
+        # The tied embedding and head (module docstring); None when untied.
+        self.tied_embedding = _param(cfg.vocab_size, cfg.dim) if cfg.tie_embeddings else None
+        if self.entry.gamma_attn.device.type != "meta":
             self.init_weights(seed=0)
 
     def blocks(self) -> list[nn.Module]:
@@ -427,12 +439,12 @@ class CodaLlama(nn.Module):
             block_mask = None if self.attention_name == "sdpa" else False
             documents = documents_from_ids(doc_ids, block_mask=block_mask)
         step = ForwardStep.of(self.stages, self.attention_fn, batch, seq, tokens.device, documents)
-        x, qkv = self.entry(tokens.reshape(-1), step)
+        x, qkv = self.entry(tokens.reshape(-1), step, self.tied_embedding)
         for layer in self.layers[:-1]:
             x, qkv = layer(qkv, x, step)
         if targets is None:
-            return self.layers[-1](qkv, x, step, None).view(batch, seq, -1)
-        loss_sum = self.layers[-1](qkv, x, step, targets.reshape(-1))
+            return self.layers[-1](qkv, x, step, None, self.tied_embedding).view(batch, seq, -1)
+        loss_sum = self.layers[-1](qkv, x, step, targets.reshape(-1), self.tied_embedding)
         if reduction == "sum":
             return loss_sum
         # As F.cross_entropy: NaN when no target counts.
@@ -444,8 +456,9 @@ class CodaLlama(nn.Module):
         i + 1's attention norm and QKV weight; the last layer owns the final norm and the head."""
         cfg, last = self.cfg, self.cfg.n_layers - 1
         qkv, gate_up = qkv_row_order(cfg), gate_up_row_order(cfg)
+        embedding = "tied_embedding" if cfg.tie_embeddings else "entry.embedding"
         table = {
-            "entry.embedding": Canonical("embed_tokens.weight"),
+            embedding: Canonical("embed_tokens.weight"),
             "entry.gamma_attn": Canonical("layers.0.input_layernorm.weight"),
             "entry.w_qkv": Canonical("layers.0.self_attn.qkv_proj.weight", qkv),
         }
@@ -462,10 +475,10 @@ class CodaLlama(nn.Module):
                     here + "gamma_attn_next": Canonical(nxt + "input_layernorm.weight"),
                     here + "w_qkv_next": Canonical(nxt + "self_attn.qkv_proj.weight", qkv),
                 }
-        return table | {
-            f"layers.{last}.gamma_final": Canonical("norm.weight"),
-            f"layers.{last}.w_lm_head": Canonical("lm_head.weight"),
-        }
+        table[f"layers.{last}.gamma_final"] = Canonical("norm.weight")
+        if not cfg.tie_embeddings:
+            table[f"layers.{last}.w_lm_head"] = Canonical("lm_head.weight")
+        return table
 
     def init_weights(self, seed: int) -> None:
         """Llama-style init, drawn per canonical tensor: the eager model's weights for `seed`."""

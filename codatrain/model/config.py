@@ -5,10 +5,21 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from codatrain.kernels.stages import Rope, RopeType
+
+# The scaling fields of RoPE (beyond rope_theta), with the types they apply to. A field that does
+# not apply to model.rope_type must keep its default, so that equal configs compute equal models.
+ROPE_SCALING_FIELDS = {
+    "rope_factor": (RopeType.linear, RopeType.llama3),
+    "rope_low_freq_factor": (RopeType.llama3,),
+    "rope_high_freq_factor": (RopeType.llama3,),
+    "rope_original_max_positions": (RopeType.llama3,),
+}
+
 # Fields that decide tensor shapes or the function the model computes; max_seq_len and init_std
 # may change between a checkpoint and the run that loads it.
 ARCHITECTURE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "rope_theta",
-                       "norm_eps")
+                       "rope_type", *ROPE_SCALING_FIELDS, "norm_eps", "tie_embeddings")
 
 
 @dataclass(frozen=True)
@@ -20,7 +31,14 @@ class LlamaConfig:
     ffn_dim: int
     vocab_size: int
     rope_theta: float = 500000.0
+    # RoPE scaling, as Hugging Face's rope_parameters (codatrain.kernels.stages.Rope).
+    rope_type: RopeType = RopeType.default
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_positions: int = 8192
     norm_eps: float = 1e-5
+    tie_embeddings: bool = False  # the LM head is the embedding matrix (one parameter)
     max_seq_len: int = 8192
     init_std: float = 0.02
 
@@ -36,10 +54,42 @@ class LlamaConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head dim {self.head_dim} must be even for RoPE")
+        self._check_rope()
+
+    def _check_rope(self) -> None:
+        try:  # a checkpoint manifest or config.json gives the type as a string
+            object.__setattr__(self, "rope_type", RopeType(self.rope_type))
+        except ValueError:
+            known = ", ".join(RopeType)
+            raise ValueError(f"model.rope_type={self.rope_type!r} is not one of {known}") from None
+        defaults = {f.name: f.default for f in dataclasses.fields(LlamaConfig)}
+        for name, types in ROPE_SCALING_FIELDS.items():
+            if self.rope_type not in types and getattr(self, name) != defaults[name]:
+                raise ValueError(f"model.{name}={getattr(self, name)} has no effect with model.rope_type="
+                                 f"{self.rope_type}; it applies to rope_type {' or '.join(types)}")
+        if self.rope_theta <= 0:
+            raise ValueError(f"model.rope_theta must be positive, got {self.rope_theta}")
+        if self.rope_factor < 1:
+            raise ValueError(f"model.rope_factor must be at least 1, got {self.rope_factor}")
+        if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+            raise ValueError(
+                f"need 0 < model.rope_low_freq_factor < model.rope_high_freq_factor, got "
+                f"{self.rope_low_freq_factor} and {self.rope_high_freq_factor}"
+            )
+        if self.rope_original_max_positions <= 0:
+            raise ValueError(
+                f"model.rope_original_max_positions must be positive, got {self.rope_original_max_positions}"
+            )
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def rope(self) -> Rope:
+        """θ and the scaling that give RoPE its rates (`codatrain.kernels.stages.rope_inv_freq`)."""
+        return Rope(self.rope_theta, self.rope_type, self.rope_factor, self.rope_low_freq_factor,
+                    self.rope_high_freq_factor, self.rope_original_max_positions)
 
     @property
     def qkv_dim(self) -> int:
@@ -67,12 +117,15 @@ class LlamaConfig:
         return qkv + out + mlp
 
     def matmul_params(self) -> int:
-        """Parameters that take part in a matmul: every linear layer and the LM head (not the embedding)."""
+        """Parameters that take part in a matmul: every linear layer and the LM head (not the embedding
+        lookup). A tied head is a GEMM all the same."""
         return self.n_layers * self.layer_matmul_params() + self.dim * self.vocab_size
 
     def num_params(self) -> int:
+        """Every parameter once: a tied embedding and head are one matrix."""
         norms = (2 * self.n_layers + 1) * self.dim
-        return self.matmul_params() + self.vocab_size * self.dim + norms
+        embedding = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        return self.matmul_params() + embedding + norms
 
     # ---- FLOPs ------------------------------------------------------------------------------
     def flops_per_token(self, seq_len: int) -> float:
@@ -84,6 +137,10 @@ class LlamaConfig:
         attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
         return 6 * self.matmul_params() + attention
 
+
+# Llama 3.1 and 3.2's RoPE scaling, less the factor (θ = 500000 is the field's default).
+_LLAMA3_ROPE = {"rope_type": RopeType.llama3, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
+                "rope_original_max_positions": 8192}
 
 PRESETS: dict[str, LlamaConfig] = {
     # Trains a few hundred steps in about a minute on two CPU cores; vocab fits the byte tokenizer.
@@ -99,6 +156,20 @@ PRESETS: dict[str, LlamaConfig] = {
     ),
     "llama3_8b": LlamaConfig(
         dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
+    ),
+    # The published Llama 3.x checkpoints (their config.json): llama3_1b and llama3_8b above keep
+    # their unscaled RoPE and untied head, so that benchmarks stay comparable.
+    "llama3_2_1b": LlamaConfig(
+        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, vocab_size=128256,
+        tie_embeddings=True, max_seq_len=131072, **_LLAMA3_ROPE, rope_factor=32.0,
+    ),
+    "llama3_2_3b": LlamaConfig(
+        dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim=8192, vocab_size=128256,
+        tie_embeddings=True, max_seq_len=131072, **_LLAMA3_ROPE, rope_factor=32.0,
+    ),
+    "llama3_1_8b": LlamaConfig(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
+        max_seq_len=131072, **_LLAMA3_ROPE, rope_factor=8.0,
     ),
 }
 

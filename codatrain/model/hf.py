@@ -21,7 +21,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from codatrain.model.config import LlamaConfig
+from codatrain.kernels.stages import RopeType
+from codatrain.model.config import ROPE_SCALING_FIELDS, LlamaConfig
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -33,9 +34,26 @@ _IGNORED_HF_KEYS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_f
 
 
 # ---- config.json ---------------------------------------------------------------------------------
+# Our RoPE scaling fields and their names in HF's rope_parameters.
+_HF_ROPE_KEYS = {
+    "rope_factor": "factor",
+    "rope_low_freq_factor": "low_freq_factor",
+    "rope_high_freq_factor": "high_freq_factor",
+    "rope_original_max_positions": "original_max_position_embeddings",
+}
+
+
+def _rope_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
+    """`cfg`'s RoPE scaling as HF's rope_parameters less rope_theta: the keys its rope_type reads
+    (HF warns about any other)."""
+    used = [name for name, types in ROPE_SCALING_FIELDS.items() if cfg.rope_type in types]
+    return {"rope_type": cfg.rope_type.value, **{_HF_ROPE_KEYS[name]: getattr(cfg, name) for name in used}}
+
+
 def config_to_hf(cfg: LlamaConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """The config.json of a `LlamaForCausalLM` with the same architecture as `cfg`."""
     dtype_name = str(dtype).removeprefix("torch.")
+    rope = _rope_to_hf(cfg)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -48,25 +66,45 @@ def config_to_hf(cfg: LlamaConfig, dtype: torch.dtype = torch.float32) -> dict[s
         "vocab_size": cfg.vocab_size,
         "max_position_embeddings": cfg.max_seq_len,
         "rms_norm_eps": cfg.norm_eps,
-        # transformers < 5 reads `rope_theta`; transformers 5 reads `rope_parameters`.
+        # transformers < 5 reads `rope_theta` and `rope_scaling`; transformers 5 reads `rope_parameters`.
         "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_scaling": None if cfg.rope_type == RopeType.default else rope,
+        "rope_parameters": rope | {"rope_theta": cfg.rope_theta},
         "hidden_act": "silu",
         "attention_bias": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": cfg.tie_embeddings,
         "initializer_range": cfg.init_std,
         "torch_dtype": dtype_name,
     }
 
 
-def _rope(hf: dict[str, Any]) -> tuple[str, float]:
-    """(rope type, θ) from either the transformers 5 or the transformers 4 spelling."""
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+def _rope_from_hf(hf: dict[str, Any], problems: list[str]) -> dict[str, Any]:
+    """Our RoPE fields from either the transformers 5 (`rope_parameters`) or the transformers 4
+    spelling (`rope_theta`, `rope_scaling`); what codatrain cannot run goes to `problems`."""
+    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}  # transformers 5's priority
     rope_type = params.get("rope_type", params.get("type", "default"))
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))  # 10000: HF LlamaConfig default
-    return rope_type, float(theta)
+    # 10000: HF LlamaConfig's default θ.
+    fields: dict[str, Any] = {"rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+    if rope_type not in set(RopeType):
+        problems.append(f"RoPE scaling type {rope_type!r} is not supported (codatrain implements "
+                        f"{', '.join(RopeType)})")
+        return fields
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        problems.append(f"partial_rotary_factor={params['partial_rotary_factor']} is not supported")
+    fields["rope_type"] = RopeType(rope_type)
+    # Without the pretraining context transformers takes max_position_embeddings.
+    hf_values = {"original_max_position_embeddings": hf.get("max_position_embeddings", 2048), **params}
+    for name, types in ROPE_SCALING_FIELDS.items():
+        key = _HF_ROPE_KEYS[name]
+        if fields["rope_type"] not in types:
+            continue
+        if key not in hf_values:
+            problems.append(f"rope_parameters of type {rope_type!r} lack {key}")
+        else:
+            fields[name] = (int if name == "rope_original_max_positions" else float)(hf_values[key])
+    return fields
 
 
 def config_from_hf(hf: dict[str, Any]) -> LlamaConfig:
@@ -78,13 +116,8 @@ def config_from_hf(hf: dict[str, Any]) -> LlamaConfig:
     missing = [key for key in required if key not in hf]
     if missing:
         raise ValueError(f"config.json lacks {', '.join(missing)}")
-    problems = []
-    rope_type, theta = _rope(hf)
-    if rope_type != "default":
-        problems.append(
-            f"RoPE scaling type {rope_type!r} is not supported (codatrain implements only the "
-            "default, unscaled Llama rotation)"
-        )
+    problems: list[str] = []
+    rope = _rope_from_hf(hf, problems)
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={hf['hidden_act']!r} is not supported (only 'silu')")
     for key in ("attention_bias", "mlp_bias"):
@@ -106,7 +139,8 @@ def config_from_hf(hf: dict[str, Any]) -> LlamaConfig:
         n_kv_heads=hf.get("num_key_value_heads") or n_heads,
         ffn_dim=hf["intermediate_size"],
         vocab_size=hf["vocab_size"],
-        rope_theta=theta,
+        **rope,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),  # HF LlamaConfig's default
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # HF LlamaConfig defaults
         max_seq_len=hf.get("max_position_embeddings", 2048),
         init_std=float(hf.get("initializer_range", 0.02)),
@@ -272,22 +306,16 @@ class HFCheckpoint:
     def get(self, name: str) -> torch.Tensor:
         return self._open(name).get_tensor(name)
 
-    @property
-    def tied_embeddings(self) -> bool:
-        """True when the head reuses the embedding: no lm_head.weight is stored."""
-        return "lm_head.weight" not in self._file_of and bool((self.config or {}).get("tie_word_embeddings"))
-
     def check(self, expected: dict[str, tuple[int, ...]], cfg: LlamaConfig) -> None:
         """Raise one ValueError listing every missing, unexpected or mis-shaped tensor for a model
-        whose canonical tensors are `expected` (name → shape)."""
-        problems, wanted = [], set()
+        whose canonical tensors are `expected` (name → shape). For a tied model a stored
+        lm_head.weight is not read, as transformers ignores it."""
+        problems, wanted = [], {"lm_head.weight"} if cfg.tie_embeddings else set()
         for canonical, shape in expected.items():
             rows = hf_split_rows(canonical, cfg) or [shape[0]]
             for name, n_rows in zip(hf_names(canonical), rows, strict=True):
                 wanted.add(name)
                 want = (n_rows, *shape[1:])
-                if name == "lm_head.weight" and self.tied_embeddings:
-                    continue
                 if name not in self._file_of:
                     problems.append(f"missing {name} (expected shape {list(want)})")
                 elif self.shape(name) != want:
@@ -302,7 +330,5 @@ class HFCheckpoint:
     def canonical(self, canonical: str) -> torch.Tensor:
         """One canonical tensor, assembled from its HF parts (`check` first for clear errors)."""
         names = hf_names(canonical)
-        if names == ["lm_head.weight"] and self.tied_embeddings:
-            names = ["model.embed_tokens.weight"]
         parts = [self.get(name) for name in names]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

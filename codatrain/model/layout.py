@@ -49,8 +49,10 @@ def permute_rows(tensor: torch.Tensor, order: torch.Tensor | None) -> torch.Tens
 
 
 def canonical_names(cfg: LlamaConfig) -> list[str]:
-    """The tensors of the canonical state, in the eager model's parameter order."""
+    """The tensors of the canonical state, in the eager model's parameter order. A tied head has no
+    tensor of its own: it is embed_tokens.weight."""
     layer = ["input_layernorm", "self_attn.qkv_proj", "self_attn.o_proj", "post_attention_layernorm",
              "mlp.gate_up_proj", "mlp.down_proj"]
     layers = [f"layers.{i}.{name}.weight" for i in range(cfg.n_layers) for name in layer]
-    return ["embed_tokens.weight", *layers, "norm.weight", "lm_head.weight"]
+    head = [] if cfg.tie_embeddings else ["lm_head.weight"]
+    return ["embed_tokens.weight", *layers, "norm.weight", *head]

@@ -114,7 +114,7 @@ class LigerLlama(Llama):
 
     def head(self, h: torch.Tensor, targets: torch.Tensor | None, reduction: str) -> torch.Tensor:
         if targets is None:
-            return self.lm_head(h)
+            return torch.nn.functional.linear(h, self.head_weight)
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction={reduction!r} is not one of mean, sum")
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
@@ -122,7 +122,7 @@ class LigerLlama(Llama):
         # Liger's "mean" of no targets is 0; the eager loss's is NaN. Its sum divided by the count
         # is the eager mean in every case.
         loss = liger_fused_linear_cross_entropy(
-            h.flatten(0, 1), self.lm_head.weight, targets.flatten(), ignore_index=IGNORE_INDEX,
+            h.flatten(0, 1), self.head_weight, targets.flatten(), ignore_index=IGNORE_INDEX,
             reduction="sum",
         )
         return loss if reduction == "sum" else loss / (targets != IGNORE_INDEX).sum()

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from codatrain.kernels.attention import Documents, document_attention, documents_from_ids
-from codatrain.kernels.stages import IGNORE_INDEX, rope_inv_freq
+from codatrain.kernels.stages import IGNORE_INDEX, Rope, rope_inv_freq
 from codatrain.model.config import LlamaConfig
 from codatrain.model.init import init_canonical_weights
 from codatrain.model.layout import Canonical, Layout, canonical_names
@@ -33,11 +33,11 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+    positions: torch.Tensor, head_dim: int, rope: Rope, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin of shape (*positions.shape, head_dim) in the HF convention: angles repeated over
     both halves."""
-    angles = positions.to(torch.float64)[..., None] * rope_inv_freq(head_dim, theta, positions.device)
+    angles = positions.to(torch.float64)[..., None] * rope_inv_freq(head_dim, rope, positions.device)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -171,7 +171,9 @@ class Llama(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # A tied head reads the embedding's parameter in forward rather than sharing it as a second
+        # module's weight: `to_empty` (meta-device init) would untie two modules' weights.
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if self.embed_tokens.weight.device.type != "meta":  # on meta, the trainer inits after sharding
             self.init_weights(seed=0)
 
@@ -203,7 +205,7 @@ class Llama(nn.Module):
             positions = torch.arange(past, past + seq, device=tokens.device)  # (T,), shared by every row
         else:
             positions = documents.positions.view(batch, 1, seq)  # (B, 1, T): broadcast over heads
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope, x.dtype)
         for i, layer in enumerate(self.layers):
             # Training calls each (possibly wrapped or compiled) block exactly as it did before caches.
             if cache is None:
@@ -212,8 +214,13 @@ class Llama(nn.Module):
                 x = layer(x, cos, sin, documents, cache.layers[i])
         return self.head(self.norm(x), targets, reduction)
 
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's (V, d) weight: the embedding table itself when the two are tied."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def head(self, h: torch.Tensor, targets: torch.Tensor | None, reduction: str) -> torch.Tensor:
         """The LM head on the final normed states h (B, T, d): logits, or with targets the loss
         (`lm_loss`); block=liger fuses the two here."""
-        logits = self.lm_head(h)
+        logits = F.linear(h, self.head_weight)
         return logits if targets is None else lm_loss(logits, targets, reduction)

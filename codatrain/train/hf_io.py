@@ -1,9 +1,11 @@
 """Weights in and out of training: `init_from` imports HF Llama weights or a codatrain checkpoint's
-weights into a (possibly FSDP2-sharded) model, and exports of a training checkpoint as HF Llama.
-The conversion itself (names, fused rows, config.json, safetensors files) is codatrain/model/hf.py."""
+weights into a (possibly FSDP2-sharded) model (and, for `model=hf`, gives the run its architecture
+and tokenizer), and exports of a training checkpoint as HF Llama. The conversion itself (names,
+fused rows, config.json, safetensors files) is codatrain/model/hf.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -12,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from codatrain.config import FOLDER_PRESET, DataConfig, RunConfig, model_config
+from codatrain.data.tokenizer import folder_tokenizer
 from codatrain.model.config import LlamaConfig
 from codatrain.model.hf import DEFAULT_MAX_SHARD_BYTES, HFCheckpoint, config_from_hf, save_hf
 from codatrain.train.checkpoint import CHECKPOINTS_DIR, MANIFEST, inspect_checkpoint, load_model_weights
@@ -22,6 +26,33 @@ from codatrain.train.parallelize import set_full_tensor, strip_wrapper_prefixes
 def is_checkpoint(path: str | os.PathLike) -> bool:
     """Whether `path` is a codatrain training checkpoint (rather than HF weights)."""
     return (Path(path) / MANIFEST).is_file()
+
+
+def saved_architecture(path: str | os.PathLike) -> LlamaConfig:
+    """The model config saved with weights: a codatrain checkpoint's manifest, or an HF folder's
+    config.json (a bare .safetensors file has none: ValueError)."""
+    if is_checkpoint(path):
+        return LlamaConfig(**inspect_checkpoint(path, verify=False)["model_config"])
+    config = HFCheckpoint(path).config
+    if config is None:
+        raise ValueError(f"{path} has no config.json to take the architecture from")
+    return config_from_hf(config)
+
+
+def run_model_config(run: RunConfig) -> LlamaConfig:
+    """The model of a run: its preset and overrides, or for model=hf the architecture of
+    checkpoint.init_from (an override contradicting it is a ValueError naming the key)."""
+    init_from = run.checkpoint.init_from
+    folder = saved_architecture(init_from) if init_from and run.model.preset == FOLDER_PRESET else None
+    return model_config(run.model, folder, f"checkpoint.init_from={init_from}")
+
+
+def run_data_config(run: RunConfig) -> DataConfig:
+    """`run.data` with its tokenizer decided: data.tokenizer unset means the tokenizer of the
+    checkpoint.init_from folder when it has one (its weights were trained with it), else byte."""
+    if run.data.tokenizer is not None:
+        return run.data
+    return dataclasses.replace(run.data, tokenizer=folder_tokenizer(run.checkpoint.init_from) or "byte")
 
 
 @torch.no_grad()
@@ -50,8 +81,7 @@ def load_hf_weights(model: nn.Module, path: str | os.PathLike, model_cfg: LlamaC
     for native, param in params.items():
         canonical = layout[native]
         set_full_tensor(param, canonical.to_native(ckpt.canonical(canonical.name).to(param.dtype)))
-    tied = " (tied embeddings: lm_head starts as a copy of embed_tokens)" if ckpt.tied_embeddings else ""
-    log(f"initialised weights from {path}{tied}")
+    log(f"initialised weights from {path}")
 
 
 def _checkpoint_model_tensors(path: Path, manifest: dict[str, Any],

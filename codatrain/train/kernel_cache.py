@@ -16,16 +16,17 @@ from pathlib import Path
 import torch
 import torch.distributed
 
-from codatrain.config import RunConfig, model_config
+from codatrain.config import RunConfig
 from codatrain.kernels.precompile import KernelShapes, ensure_cache, point_libraries_at
 from codatrain.kernels.resolve import ResolvedBlock
 from codatrain.train.distributed import DistInfo
+from codatrain.train.hf_io import run_model_config
 
 
 def kernel_shapes(run: RunConfig, block: ResolvedBlock) -> KernelShapes:
     """The kernels a job of `run` launches on the resolved `block`: its model widths, micro-batch
     (train.micro_batch_size sequences of data.seq_len tokens) and document masking."""
-    cfg = model_config(run.model)
+    cfg = run_model_config(run)
     return KernelShapes(
         dim=cfg.dim, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
         ffn_dim=cfg.ffn_dim, vocab_size=cfg.vocab_size, batch=run.train.micro_batch_size,

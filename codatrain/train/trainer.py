@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
-from codatrain.config import RunConfig, model_config, validate
+from codatrain.config import RunConfig, validate
 from codatrain.data import build_loaders
 from codatrain.kernels.resolve import resolve_block
 from codatrain.kernels.stages import IGNORE_INDEX
@@ -26,6 +26,7 @@ from codatrain.train.distributed import (
     init_distributed,
     shutdown_distributed,
 )
+from codatrain.train.hf_io import run_data_config, run_model_config
 from codatrain.train.kernel_cache import KernelCache, kernel_shapes
 from codatrain.train.logger import RunLogger, format_duration
 from codatrain.train.metrics import (
@@ -80,7 +81,7 @@ class Trainer:
         tcfg = run.train
         torch.manual_seed(tcfg.seed)
 
-        self.model_cfg = model_config(run.model)
+        self.model_cfg = run_model_config(run)
         self.seq_len = run.data.seq_len
         tokens_per_micro_step = tcfg.micro_batch_size * self.seq_len * dist_info.world_size
         self.tokens_per_step = tcfg.tokens_per_step or tokens_per_micro_step
@@ -120,7 +121,8 @@ class Trainer:
         self.optimizer = build_optimizer(model, run.optim, device)
         self.scheduler = build_scheduler(self.optimizer, run.optim, tcfg.steps)
         self.train_data, self.val_data = build_loaders(
-            run.data, tcfg.micro_batch_size, dist_info.rank, dist_info.world_size, tcfg.seed, device,
+            run_data_config(run), tcfg.micro_batch_size, dist_info.rank, dist_info.world_size, tcfg.seed,
+            device,
             max_seq_len=self.model_cfg.max_seq_len, model_vocab_size=self.model_cfg.vocab_size,
         )
 

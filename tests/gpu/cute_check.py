@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from codatrain.kernels.stages import Rope, RopeType
+
 DEVICE = torch.device("cuda")
 EPS = 1e-5
 FLOOR = 1e-6
@@ -48,6 +50,15 @@ SHAPES = [
     Shape("llama3_8b", 8192, 4096, 4096, 32, 8, 128, 14336, 128256),
     Shape("ragged", 1000, 500, 1024, 8, 2, 128, 2816, 50264),
 ]
+
+
+# Llama 3's RoPE, and Llama 3.2's scaling with a short pretraining context, so that the positions
+# of the shapes above reach past it.
+ROPES = {
+    "default": Rope(500000.0),
+    "llama3": Rope(500000.0, RopeType.llama3, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_positions=256),
+}
 
 
 def poison(monkeypatch, *modules) -> None:

@@ -15,6 +15,7 @@ pytest.importorskip("flash_attn.cute")
 
 from cute_check import (  # noqa: E402
     DEVICE,
+    ROPES,
     SHAPES,
     Shape,
     check,
@@ -52,16 +53,17 @@ def backends():
     return get_backend("cute", DEVICE), get_backend("reference", DEVICE)
 
 
-def rope_kwargs(shape: Shape) -> dict:
+def rope_kwargs(shape: Shape, rope: str = "default") -> dict:
     rope_heads = shape.n_heads + shape.n_kv_heads
-    return {"head_dim": shape.head_dim, "rope_heads": rope_heads, "rope_theta": 500000.0}
+    return {"head_dim": shape.head_dim, "rope_heads": rope_heads, "rope": ROPES[rope]}
 
 
-def test_rope_bwd(backends, shape, use_compile):
+@pytest.mark.parametrize("rope", list(ROPES))
+def test_rope_bwd(backends, shape, use_compile, rope):
     cute, ref = backends
     args = (randn(shape.tokens, shape.qkv_dim), randn(shape.tokens, shape.qkv_dim), positions(shape))
-    out = staged(cute.rope_bwd, use_compile)(*args, **rope_kwargs(shape))
-    bf16, fp32 = run_both(ref, "rope_bwd", *args, **rope_kwargs(shape))
+    out = staged(cute.rope_bwd, use_compile)(*args, **rope_kwargs(shape, rope))
+    bf16, fp32 = run_both(ref, "rope_bwd", *args, **rope_kwargs(shape, rope))
     check("dz", out.dz, bf16.dz, fp32.dz)
     check("zdz", out.zdz, bf16.zdz, fp32.zdz)
     # The v columns are not rotated: they pass through bitwise.

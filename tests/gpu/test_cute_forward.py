@@ -16,6 +16,7 @@ pytest.importorskip("flash_attn.cute")
 from cute_check import (  # noqa: E402
     DEVICE,
     EPS,
+    ROPES,
     SHAPES,
     Shape,
     check,
@@ -33,7 +34,7 @@ from codatrain.kernels.cute import backend as cute_backend  # noqa: E402
 from codatrain.kernels.cute import gemm_stages  # noqa: E402
 from codatrain.kernels.cute.attention import fa4_attention  # noqa: E402
 from codatrain.kernels.resolve import ResolvedBlock, resolve_block  # noqa: E402
-from codatrain.kernels.stages import IGNORE_INDEX, get_backend  # noqa: E402
+from codatrain.kernels.stages import IGNORE_INDEX, Rope, get_backend  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -129,11 +130,12 @@ def test_gemm_rstd_swiglu(backends, shape, use_compile):
     check("y", out.y, bf16.y, fp32.y)
 
 
-def test_gemm_rstd_rope(backends, shape, use_compile):
+@pytest.mark.parametrize("rope", list(ROPES))
+def test_gemm_rstd_rope(backends, shape, use_compile, rope):
     cute, ref = backends
     args = (randn(shape.tokens, shape.dim), randn(shape.qkv_dim, shape.dim, scale=shape.dim**-0.5),
             rstd_of(shape.tokens), positions(shape))
-    kwargs = dict(head_dim=shape.head_dim, rope_heads=shape.n_heads + shape.n_kv_heads, rope_theta=500000.0)
+    kwargs = dict(head_dim=shape.head_dim, rope_heads=shape.n_heads + shape.n_kv_heads, rope=ROPES[rope])
     out = staged(cute.gemm_rstd_rope, use_compile)(*args, **kwargs)
     bf16, fp32 = run_both(ref, "gemm_rstd_rope", *args, **kwargs)
     check("qkv", out, bf16, fp32)
@@ -200,7 +202,7 @@ def test_layer_forward_compiles_without_graph_breaks(backends):
 
     def layer(x0: torch.Tensor, h0: torch.Tensor, r0: torch.Tensor, pos: torch.Tensor):
         qkv = cute.gemm_rstd_rope(h0, w_qkv, r0, pos, head_dim=s.head_dim,
-                                  rope_heads=s.n_heads + s.n_kv_heads, rope_theta=500000.0)
+                                  rope_heads=s.n_heads + s.n_kv_heads, rope=Rope(500000.0))
         q, k, v = qkv.view(batch, s.seq_len, -1, s.head_dim).split([s.n_heads, s.n_kv_heads, s.n_kv_heads], 2)
         attn = fa4_attention(q, k, v).reshape(s.tokens, k_attn)
         x1, h1, p1 = cute.gemm_residual_rms(attn, w_o, x0, g_mlp)

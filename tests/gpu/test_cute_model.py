@@ -1,9 +1,10 @@
-"""The whole CODA model on the cute backend (FA4 attention) against the eager Llama, on an sm_90 GPU.
+"""The whole CODA model on the cute backend (FA4 attention) against the eager Llama, and with llama3
+RoPE and a tied head against the reference backend, on an sm_90 GPU.
 
-Both models are loaded with the same canonical weights. Truth is the eager model in fp32; the
-eager model in bf16 (SDPA attention) gives the error that bf16 itself causes. Tolerance: the
-loss within 2 × the eager bf16 loss error (at least 5e-3 relative), and every parameter gradient
-‖g_cute − g_fp32‖ / ‖g_fp32‖ ≤ 2 × the eager bf16 gradient's error (at least 1e-2).
+All models are loaded with the same canonical weights. Truth is the eager model (or the reference
+backend) in fp32; the same model in bf16 (SDPA attention) gives the error that bf16 itself causes.
+Tolerance: the loss within 2 × the bf16 loss error (at least 5e-3 relative), and every parameter
+gradient ‖g_cute − g_fp32‖ / ‖g_fp32‖ ≤ 2 × the bf16 gradient's error (at least 1e-2).
 """
 
 from __future__ import annotations
@@ -58,9 +59,10 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a - ref).norm() / ref.norm()).item()
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_cute_model_matches_eager(case):
-    cfg, batch, seq = CASES[case]
+def compare(case: str, cfg: LlamaConfig, batch: int, seq: int, truth, bf16_baseline, under_test) -> None:
+    """Each of (label, make, dtype) built on the meta device, loaded with the same canonical weights
+    and run on one batch; `under_test` must be within the tolerances of the module docstring, with
+    `truth` (fp32) as the truth and `bf16_baseline` giving the error bf16 itself causes."""
     state = random_canonical_state(cfg, torch.float32, seed=0)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(DEVICE)
@@ -69,11 +71,7 @@ def test_cute_model_matches_eager(case):
     targets = targets.to(DEVICE)
 
     runs = {}
-    for label, make, dtype in [
-        ("eager-fp32", lambda: Llama(cfg), torch.float32),
-        ("eager-bf16", lambda: Llama(cfg), torch.bfloat16),
-        ("coda-cute-bf16", lambda: CodaLlama(cfg, backend="cute", attention="fa4"), torch.bfloat16),
-    ]:
+    for label, make, dtype in (truth, bf16_baseline, under_test):
         # Built on the meta device (no init: every parameter is loaded below), then materialised.
         with torch.device("meta"):
             model = make()
@@ -84,7 +82,7 @@ def test_cute_model_matches_eager(case):
 
     (loss32, grads32), (loss16, grads16), (loss_c, grads_c) = runs.values()
     loss_tol = max(2 * abs(loss16 - loss32), LOSS_RTOL_FLOOR * abs(loss32))
-    print(f"{case}: loss fp32 {loss32:.6f}  eager-bf16 {loss16:.6f}  cute {loss_c:.6f}")
+    print(f"{case}: loss fp32 {loss32:.6f}  bf16 baseline {loss16:.6f}  cute {loss_c:.6f}")
     failures = []
     if not abs(loss_c - loss32) <= loss_tol:
         failures.append(f"loss {loss_c:.6f} vs fp32 {loss32:.6f} (tolerance {loss_tol:.2e})")
@@ -92,8 +90,41 @@ def test_cute_model_matches_eager(case):
     for name, ref in grads32.items():
         err, bf16_err = rel_err(grads_c[name], ref), rel_err(grads16[name], ref)
         tol = max(2 * bf16_err, GRAD_RTOL_FLOOR)
-        worst = max(worst, (err / tol, f"{name}: cute {err:.2e}, eager-bf16 {bf16_err:.2e}"))
+        worst = max(worst, (err / tol, f"{name}: cute {err:.2e}, bf16 baseline {bf16_err:.2e}"))
         if not err <= tol:
-            failures.append(f"grad {name}: cute {err:.3e} > tolerance {tol:.3e} (eager-bf16 {bf16_err:.3e})")
+            failures.append(f"grad {name}: cute {err:.3e} > tolerance {tol:.3e} (bf16 {bf16_err:.3e})")
     print(f"{case}: worst gradient (error / tolerance {worst[0]:.2f}) {worst[1]}")
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_cute_model_matches_eager(case):
+    cfg, batch, seq = CASES[case]
+    compare(case, cfg, batch, seq,
+            ("eager-fp32", lambda: Llama(cfg), torch.float32),
+            ("eager-bf16", lambda: Llama(cfg), torch.bfloat16),
+            ("coda-cute-bf16", lambda: CodaLlama(cfg, backend="cute", attention="fa4"), torch.bfloat16))
+
+
+# Llama 3.2's RoPE scaling (a pretraining context of 64 positions, so the 200-token sequences reach
+# well past it) and its tied head, at Llama-3.2-1B widths and a small ragged model.
+LLAMA3_TIED = {"rope_type": "llama3", "rope_factor": 32.0, "rope_low_freq_factor": 1.0,
+               "rope_high_freq_factor": 4.0, "rope_original_max_positions": 64, "tie_embeddings": True}
+LLAMA3_CASES = {
+    "llama3_2_1b-L2": (get_preset("llama3_2_1b").replace(n_layers=2, rope_original_max_positions=64),
+                       2, 1024),
+    "gqa4-small-llama3-tied": (CASES["gqa4-small"][0].replace(**LLAMA3_TIED), 3, 200),
+}
+
+
+@pytest.mark.parametrize("case", list(LLAMA3_CASES))
+def test_cute_model_with_llama3_rope_and_tied_head_matches_reference(case):
+    """The cute backend against the reference backend (fp32 truth, bf16 baseline): the scaled
+    frequency table reaches the RoPE epilogue and its backward, and the tied head's weight
+    gradient adds into the embedding's."""
+    cfg, batch, seq = LLAMA3_CASES[case]
+    assert cfg.tie_embeddings and cfg.rope_type == "llama3" and seq > cfg.rope_original_max_positions
+    compare(case, cfg, batch, seq,
+            ("reference-fp32", lambda: CodaLlama(cfg, backend="reference", attention="sdpa"), torch.float32),
+            ("reference-bf16", lambda: CodaLlama(cfg, backend="reference", attention="sdpa"), torch.bfloat16),
+            ("coda-cute-bf16", lambda: CodaLlama(cfg, backend="cute", attention="fa4"), torch.bfloat16))

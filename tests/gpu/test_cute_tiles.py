@@ -15,7 +15,7 @@ pytest.importorskip("flash_attn.cute")
 from cute_check import DEVICE, SHAPES, check, gamma, poison, randn, rstd_of, run_both  # noqa: E402
 
 from codatrain.kernels.cute import backend as cute_backend  # noqa: E402
-from codatrain.kernels.stages import IGNORE_INDEX, get_backend  # noqa: E402
+from codatrain.kernels.stages import IGNORE_INDEX, Rope, get_backend  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -45,7 +45,7 @@ def check_norm_backward(cute, ref, dz, weight, zdz, residual: bool) -> None:
 def test_attention_norm_dgamma_over_row_tiles(backends):
     cute, ref = backends
     n = SHAPE.qkv_dim
-    rope = {"head_dim": SHAPE.head_dim, "rope_heads": SHAPE.n_heads + SHAPE.n_kv_heads, "rope_theta": 5e5}
+    rope = {"head_dim": SHAPE.head_dim, "rope_heads": SHAPE.n_heads + SHAPE.n_kv_heads, "rope": Rope(5e5)}
     dz, zdz = cute.rope_bwd(randn(M, n), randn(M, n), torch.arange(M, device=DEVICE) % 128, **rope)
     check_norm_backward(cute, ref, dz, randn(n, SHAPE.dim, scale=n**-0.5), zdz, residual=True)
 

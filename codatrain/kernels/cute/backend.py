@@ -23,6 +23,7 @@ from codatrain.kernels.stages import (
     LseOut,
     ResidualOut,
     RmsBwdOut,
+    Rope,
     RopeBwdOut,
     StageBackend,
     SwigluOut,
@@ -100,11 +101,13 @@ class CuteStages(StageBackend):
         *,
         head_dim: int,
         rope_heads: int,
-        rope_theta: float,
+        rope: Rope,
     ) -> torch.Tensor:
         _check_activations("gemm_rstd_rope", h, weight)
         qkv = empty(h.shape[0], weight.shape[0], like=h)
-        gemm_stages.gemm_rstd_rope(h, weight, rstd, positions, qkv, head_dim, rope_heads, float(rope_theta))
+        gemm_stages.gemm_rstd_rope(
+            h, weight, rstd, positions, qkv, head_dim, rope_heads, *gemm_stages.rope_args(rope)
+        )
         return qkv
 
     def gemm_rstd(self, h: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
@@ -152,12 +155,13 @@ class CuteStages(StageBackend):
         *,
         head_dim: int,
         rope_heads: int,
-        rope_theta: float,
+        rope: Rope,
     ) -> RopeBwdOut:
         _check_activations("rope_bwd", dqkv, qkv)
         out = RopeBwdOut(empty(*dqkv.shape, like=dqkv), empty(dqkv.shape[0], like=dqkv, dtype=STAT))
         rowwise.rope_bwd(
-            dqkv.contiguous(), qkv.contiguous(), positions, *out, head_dim, rope_heads, float(rope_theta)
+            dqkv.contiguous(), qkv.contiguous(), positions, *out, head_dim, rope_heads,
+            *gemm_stages.rope_args(rope),
         )
         return out
 

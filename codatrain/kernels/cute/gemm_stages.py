@@ -23,7 +23,7 @@ from codatrain.kernels.cute.common import empty
 from codatrain.kernels.cute.configs import gemm_config
 from codatrain.kernels.cute.epilogues import rstd_epi, rstd_lse_target_epi, rstd_swiglu_epi
 from codatrain.kernels.cute.torch_op import stage_op
-from codatrain.kernels.stages import rope_inv_freq
+from codatrain.kernels.stages import Rope, RopeType, rope_inv_freq
 
 
 def column_tiles(stage: str, n: int) -> int:
@@ -79,12 +79,23 @@ def gemm_rstd_swiglu(h: Tensor, weight: Tensor, rstd: Tensor, preact: Tensor, y:
 # ---- F4: QKV GEMM · rstd + RoPE ----------------------------------------------------------------
 
 
+# Custom ops take tensors and scalars only: a `Rope` crosses them as its fields, in order.
+RopeArgs = tuple[float, str, float, float, float, int]
+
+
+def rope_args(rope: Rope) -> RopeArgs:
+    """`rope` as the scalar arguments of the RoPE custom ops (`rope_freq` turns them back)."""
+    return (rope.theta, rope.type.value, rope.factor, rope.low_freq_factor, rope.high_freq_factor,
+            rope.original_max_positions)
+
+
 @functools.lru_cache(maxsize=16)
-def rope_freq(head_dim: int, rope_heads: int, n: int, rope_theta: float, device: torch.device) -> Tensor:
+def rope_freq(head_dim: int, rope_heads: int, n: int, device: torch.device, *rope: object) -> Tensor:
     """Per-column inverse frequency as QuACK's float-float table (hi, lo per pair, in turns):
-    pair i of each of the first rope_heads heads gets rope_theta^(-2i/head_dim), the v columns
-    zero (angle 0 is an exact identity). Built in fp64, once per shape."""
-    inv_freq = rope_inv_freq(head_dim, rope_theta)
+    pair i of each of the first rope_heads heads gets rope_inv_freq(head_dim, Rope(*rope))[i],
+    the v columns zero (angle 0 is an exact identity). Built in fp64, once per shape and RoPE."""
+    theta, rope_type, *scaling = rope
+    inv_freq = rope_inv_freq(head_dim, Rope(theta, RopeType(rope_type), *scaling))
     rope_cols = rope_heads * head_dim
     return make_interleaved_inv_freq(inv_freq, rope_cols, n - rope_cols).to(device)
 
@@ -92,9 +103,13 @@ def rope_freq(head_dim: int, rope_heads: int, n: int, rope_theta: float, device:
 @stage_op("cute_gemm_rstd_rope", mutates_args=("qkv",))
 def gemm_rstd_rope(
     h: Tensor, weight: Tensor, rstd: Tensor, positions: Tensor, qkv: Tensor, head_dim: int, rope_heads: int,
-    rope_theta: float,
+    rope_theta: float, rope_type: str, rope_factor: float, rope_low_freq_factor: float,
+    rope_high_freq_factor: float, rope_original_max_positions: int,
 ) -> None:
-    """qkv = rope(rstd ⊙ (h·Wᵀ)) on adjacent pairs of the first rope_heads heads."""
+    """qkv = rope(rstd ⊙ (h·Wᵀ)) on adjacent pairs of the first rope_heads heads; the rope_*
+    arguments are `rope_args` of the model's `Rope`."""
+    freq = rope_freq(head_dim, rope_heads, weight.shape[0], h.device, rope_theta, rope_type, rope_factor,
+                     rope_low_freq_factor, rope_high_freq_factor, rope_original_max_positions)
     rstd_rope_posfreq_epi(
         h,
         weight.t(),
@@ -103,7 +118,7 @@ def gemm_rstd_rope(
         tuned=False,
         # Positions are exact in fp32 up to 2^24; the epilogue forms the angle in float-float.
         pos=positions.to(torch.float32),
-        freq=rope_freq(head_dim, rope_heads, weight.shape[0], rope_theta, h.device),
+        freq=freq,
         rstd=rstd,
     )
 

@@ -58,14 +58,14 @@ from codatrain.kernels.attention import Documents, causal_attention
 from codatrain.kernels.cute import CuteStages, entry, head, rowwise
 from codatrain.kernels.cute.attention import varlen_backward, varlen_forward
 from codatrain.kernels.precompile import KernelShapes
-from codatrain.kernels.stages import IGNORE_INDEX
+from codatrain.kernels.stages import IGNORE_INDEX, Rope
 
 # Training activations are bf16 (autocast on one GPU, FSDP2's param dtype on several);
 # statistics fp32.
 ACT = torch.bfloat16
 STAT = torch.float32
-# RoPE's θ only fills a frequency table at run time; no kernel depends on it.
-_ANY_ROPE_THETA = 10000.0
+# RoPE's θ and scaling only fill a frequency table at run time; no kernel depends on them.
+_ANY_ROPE = Rope(theta=10000.0)
 # One kernel compiles in seconds, FA4's backward in under a minute on a slow core. A spec that
 # takes this long is stuck (most likely launching on fake tensors): stop with its traceback.
 SPEC_TIMEOUT_S = 600
@@ -144,7 +144,7 @@ def forward_kernels(s: KernelShapes) -> list[KernelSpec]:
     if not s.stages:
         return []
     st, m, d, vocab = CuteStages(), _tokens(s), s.dim, s.vocab_size
-    rope = {"head_dim": s.head_dim, "rope_heads": s.n_heads + s.n_kv_heads, "rope_theta": _ANY_ROPE_THETA}
+    rope = {"head_dim": s.head_dim, "rope_heads": s.n_heads + s.n_kv_heads, "rope": _ANY_ROPE}
 
     def out_proj():
         return st.gemm_residual_rms(_act(m, _q_dim(s)), _act(d, _q_dim(s)), _act(m, d), _act(d))

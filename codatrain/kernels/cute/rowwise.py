@@ -158,13 +158,15 @@ def compile_row_dot(dtype: type, n: int, rotate: bool):
 @stage_op("cute_rope_bwd", mutates_args=("dz", "zdz"))
 def rope_bwd(
     dqkv: Tensor, qkv: Tensor, positions: Tensor, dz: Tensor, zdz: Tensor, head_dim: int, rope_heads: int,
-    rope_theta: float,
+    rope_theta: float, rope_type: str, rope_factor: float, rope_low_freq_factor: float,
+    rope_high_freq_factor: float, rope_original_max_positions: int,
 ) -> None:
     """dz = dqkv rotated back by −angle on the first rope_heads heads, zdz (M,) fp32 = Σ qkv·dqkv;
-    dqkv and qkv contiguous."""
+    dqkv and qkv contiguous; the rope_* arguments as in `gemm_stages.gemm_rstd_rope`."""
     n = dqkv.shape[1]
     compiled = compile_row_dot(torch2cute_dtype_map[dqkv.dtype], n, True)
-    freq = rope_freq(head_dim, rope_heads, n, rope_theta, dqkv.device)
+    freq = rope_freq(head_dim, rope_heads, n, dqkv.device, rope_theta, rope_type, rope_factor,
+                     rope_low_freq_factor, rope_high_freq_factor, rope_original_max_positions)
     # Positions are exact in fp32 up to 2^24, as in the forward epilogue.
     compiled(qkv, dqkv, positions.to(torch.float32), freq, dz, zdz)
 

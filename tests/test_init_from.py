@@ -1,0 +1,91 @@
+"""`model=hf checkpoint.init_from=<folder>`: the architecture from the folder (an HF config.json or a
+codatrain checkpoint's manifest), contradicting overrides named, and the folder's tokenizer as the
+default data.tokenizer."""
+
+import pytest
+import torch
+from test_generate import save_word_tokenizer
+
+from codatrain.config import load_config, validate
+from codatrain.model import Llama, LlamaConfig
+from codatrain.model.hf import save_hf
+from codatrain.train.distributed import init_distributed
+from codatrain.train.hf_io import run_data_config
+from codatrain.train.trainer import Trainer
+
+# A Llama 3.2-like folder in miniature: llama3 RoPE, tied head, eps and θ unlike our defaults.
+FOLDER_CFG = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=300,
+                         rope_theta=20000.0, rope_type="llama3", rope_factor=32.0,
+                         rope_original_max_positions=16, tie_embeddings=True, norm_eps=1e-6, max_seq_len=256)
+FAST = ["train.val_every=0", "train.progress=false", "data=synthetic", "data.num_workers=0",
+        "data.seq_len=32", "train.micro_batch_size=2", "train.steps=1"]
+
+
+def hf_folder(path, cfg=FOLDER_CFG):
+    model = Llama(cfg)
+    model.init_weights(seed=3)
+    save_hf(path, cfg, model.state_dict().items())
+    return model
+
+
+def trainer(tmp_path, *overrides) -> Trainer:
+    cfg = load_config([*FAST, f"train.run_dir={tmp_path / 'run'}", *overrides])
+    return Trainer(validate(cfg), init_distributed("cpu"))
+
+
+def test_the_architecture_and_weights_come_from_an_hf_folder_or_a_checkpoint(tmp_path):
+    source = hf_folder(tmp_path / "hf")
+    # Non-architecture fields may be set; an architecture field equal to the folder's too.
+    run = trainer(tmp_path, "model=hf", f"checkpoint.init_from={tmp_path / 'hf'}", "model.max_seq_len=128",
+                  "model.rope_factor=32")
+    assert run.model_cfg == FOLDER_CFG.replace(max_seq_len=128, init_std=FOLDER_CFG.init_std)
+    assert run.flops_per_token == FOLDER_CFG.flops_per_token(32)
+    for name, param in run.model.named_parameters():
+        assert torch.equal(param, source.state_dict()[name]), name
+    run.checkpointer.save(1)
+    run.close()
+    checkpoint = tmp_path / "run/checkpoints/step_1"
+    again = trainer(tmp_path / "again", "model=hf", f"checkpoint.init_from={checkpoint}")
+    assert again.model_cfg == run.model_cfg
+    again.close()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.dim=128", r"model\.dim=128 contradicts checkpoint\.init_from=\S+, whose architecture has dim=64"),
+    ("model.tie_embeddings=false", r"model\.tie_embeddings=False contradicts .* tie_embeddings=True"),
+    ("model.rope_type=default", r"model\.rope_type=default contradicts .* rope_type=llama3"),
+])
+def test_an_override_that_contradicts_the_folder_names_the_key(tmp_path, override, message):
+    hf_folder(tmp_path / "hf")
+    with pytest.raises(ValueError, match=message):
+        trainer(tmp_path, "model=hf", f"checkpoint.init_from={tmp_path / 'hf'}", override)
+
+
+def test_model_hf_needs_a_folder_with_a_config(tmp_path):
+    with pytest.raises(ValueError, match=r"model=hf takes the architecture .* set checkpoint\.init_from="):
+        trainer(tmp_path, "model=hf")
+    hf_folder(tmp_path / "hf")
+    bare = tmp_path / "hf/model.safetensors"
+    with pytest.raises(ValueError, match=r"model\.safetensors has no config\.json"):
+        trainer(tmp_path, "model=hf", f"checkpoint.init_from={bare}")
+
+
+def test_the_folders_tokenizer_is_the_default_and_a_vocabulary_that_does_not_fit_is_an_error(tmp_path):
+    hf_folder(tmp_path / "hf")
+    with_tokenizer = tmp_path / "hf"
+    save_word_tokenizer(with_tokenizer)
+    run = validate(load_config(["model=hf", f"checkpoint.init_from={with_tokenizer}"]))
+    assert run.data.tokenizer is None and run_data_config(run).tokenizer == str(with_tokenizer)
+    chosen = validate(load_config(["model=hf", f"checkpoint.init_from={with_tokenizer}",
+                                   "data.tokenizer=byte"]))
+    assert run_data_config(chosen).tokenizer == "byte"
+    assert run_data_config(validate(load_config([]))).tokenizer == "byte"  # no folder: bytes
+
+    small = tmp_path / "small"  # 3 token ids in the model, 4 in the folder's tokenizer
+    hf_folder(small, LlamaConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32, vocab_size=3))
+    save_word_tokenizer(small)
+    (tmp_path / "text.txt").write_text("hello world\n" * 50)
+    too_many = rf"data\.tokenizer={small} has 4 token ids, more than model\.vocab_size=3"
+    with pytest.raises(ValueError, match=too_many):
+        trainer(tmp_path, "model=hf", f"checkpoint.init_from={small}", "data=files",
+                f"data.path={tmp_path / 'text.txt'}", f"data.cache_dir={tmp_path / 'cache'}")
