@@ -4,6 +4,7 @@ bad rows named and skipped or fatal, and token directories independent of the pr
 
 import gzip
 import json
+import os
 import subprocess
 import sys
 
@@ -17,9 +18,10 @@ from test_checkpoint_resume import FAST, Crash, crash_on_step_call
 from test_data_sources import word_tokenizer
 
 from codatrain.config import DataConfig, DataSource, OnBadData, load_config
-from codatrain.data import build_loaders
+from codatrain.data import build_loaders, pretokenize
 from codatrain.data.pretokenize import tokenize_to_dir
 from codatrain.data.sources import DataFileError, held_out_by_content
+from codatrain.data.tokenizer import load_tokenizer
 from codatrain.train.trainer import train
 
 BOS, EOS = 256, 257
@@ -190,6 +192,29 @@ def test_token_directory_is_the_same_from_1_or_3_processes(tmp_path):
         train_loader, val_loader = build(cfg, batch_size=3)
         batches.append((take(train_loader, 8), list(val_loader)))
     assert same(batches[0][0], batches[1][0]) and same(batches[0][1], batches[1][1])
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_tokenizing_workers_are_single_threaded(tmp_path, monkeypatch, processes):
+    """Each worker loads its tokenizer with the Rayon pool off, so N workers use N cores (and the
+    1-process rate is one core's); the caller's environment is left as it was."""
+    corpus(tmp_path / "c")
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    monkeypatch.delenv("RAYON_NUM_THREADS", raising=False)
+    seen = tmp_path / "seen"
+    seen.mkdir()
+
+    def recording_load(spec):  # the forked workers inherit this patch
+        names = ("TOKENIZERS_PARALLELISM", "RAYON_NUM_THREADS")
+        (seen / str(os.getpid())).write_text(" ".join(str(os.environ.get(n)) for n in names))
+        return load_tokenizer(spec)
+
+    monkeypatch.setattr(pretokenize, "load_tokenizer", recording_load)
+    source = DataConfig(source=DataSource.files, path=str(tmp_path / "c"), val_fraction=0.0)
+    tokenize_to_dir(source, tmp_path / "tokens", shards=4, processes=processes)
+    assert {p.read_text() for p in seen.iterdir()} == {"false 1"}
+    assert len(list(seen.iterdir())) == processes and str(os.getpid()) not in os.listdir(seen)
+    assert "TOKENIZERS_PARALLELISM" not in os.environ and "RAYON_NUM_THREADS" not in os.environ
 
 
 def test_machines_split_the_shards_and_an_incomplete_directory_is_named(tmp_path):
