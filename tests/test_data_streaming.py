@@ -21,6 +21,7 @@ from codatrain.config import DataConfig, DataSource, OnBadData, load_config
 from codatrain.data import build_loaders, pretokenize
 from codatrain.data.pretokenize import tokenize_to_dir
 from codatrain.data.sources import DataFileError, held_out_by_content
+from codatrain.data.streaming import CHUNK_ROWS
 from codatrain.data.tokenizer import load_tokenizer
 from codatrain.train.trainer import train
 
@@ -58,10 +59,12 @@ def same(a, b):
                and torch.equal(x.doc_ids, y.doc_ids) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_stream_resumes_exactly_mid_buffer_and_across_epochs(tmp_path, workers):
+@pytest.mark.parametrize("workers,shuffle_buffer", [(0, 256), (2, 256), (0, 3), (0, 0)])
+def test_stream_resumes_exactly_mid_buffer_and_across_epochs(tmp_path, workers, shuffle_buffer):
+    """Resumed mid-batch, mid-pool (a shuffle pool of 3 holds up to 3 + CHUNK_ROWS documents) and
+    across epochs, the stream gives the uninterrupted run's batches."""
     corpus(tmp_path / "c")
-    cfg = stream_config(tmp_path / "c", num_workers=workers)
+    cfg = stream_config(tmp_path / "c", num_workers=workers, shuffle_buffer=shuffle_buffer)
     reference = take(build(cfg)[0], 60)  # about three epochs of each reader
     for stop in (3, 7, 31):
         first = build(cfg)[0]
@@ -77,7 +80,7 @@ def test_stream_packs_the_windows_the_stored_path_packs(tmp_path):
     stored = DataConfig(source=DataSource.files, path=str(tmp_path / "c"), seq_len=16, val_fraction=0.0,
                         keep_document_boundaries=True, shuffle=False, num_workers=0,
                         cache_dir=str(tmp_path / "cache"))
-    stream = take(build(stream_config(tmp_path / "c"))[0], 10)
+    stream = take(build(stream_config(tmp_path / "c", shuffle=False))[0], 10)
     assert same(stream, take(build(stored)[0], 10))
 
 
@@ -114,6 +117,24 @@ def documents_of(stream: np.ndarray) -> list[str]:
         if len(body) and body[-1] == EOS:
             docs.append(bytes(body[:-1].astype(np.uint8)).decode())
     return docs
+
+
+def test_stream_shuffles_documents_within_its_pool_every_epoch(tmp_path):
+    texts = corpus(tmp_path / "c")
+    cfg = stream_config(tmp_path / "c", shuffle_buffer=8)
+
+    def epochs(cfg, seed=0):
+        loader = build_loaders(cfg, 2, 0, 1, seed, "cpu", max_seq_len=64, model_vocab_size=512)[0]
+        docs = documents_of(torch.cat([b.inputs.reshape(-1) for b in take(loader, 150)]).numpy())
+        return docs[:len(texts)], docs[len(texts):2 * len(texts)]  # windows tile the stream
+
+    first, second = epochs(cfg)
+    assert sorted(first) == sorted(texts) and sorted(second) == sorted(texts)  # each once per epoch
+    assert first != texts and second != first  # shuffled, and anew each epoch
+    assert epochs(cfg) == (first, second) and epochs(cfg, seed=1)[0] != first  # seeded by the run
+    # A document moves no further ahead than the pool reaches: 8 + CHUNK_ROWS documents.
+    assert all(texts.index(doc) <= i + 8 + CHUNK_ROWS for i, doc in enumerate(first))
+    assert epochs(stream_config(tmp_path / "c", shuffle=False))[0] == texts
 
 
 @pytest.mark.slow
@@ -159,7 +180,8 @@ def test_bad_rows_in_a_stream_stop_the_run_naming_file_and_line(tmp_path):
 
 
 def test_bad_rows_in_a_stream_are_skipped_and_counted(tmp_path):
-    cfg = stream_config(write_bad_corpus(tmp_path / "bad"), seq_len=4, on_bad_data=OnBadData.skip)
+    cfg = stream_config(write_bad_corpus(tmp_path / "bad"), seq_len=4, on_bad_data=OnBadData.skip,
+                        shuffle=False)
     loader = build(cfg, batch_size=1)[0]
     batches = take(loader, 7)  # 28 of the 32 tokens of the good rows: within the first epoch
     count, last = loader.skipped_rows

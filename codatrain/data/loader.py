@@ -236,7 +236,8 @@ def _stream_loaders(cfg: DataConfig, tokenizer: Tokenizer,
     rank, world_size = common["rank"], common["world_size"]
     windows = StreamWindows(main, cfg.tokenizer, seq_len=cfg.seq_len, batch_size=common["batch_size"],
                             with_doc_ids=cfg.keep_document_boundaries, rank=rank, world_size=world_size,
-                            readers=readers, skip_bad=skip_bad, held_out_fraction=held_out)
+                            readers=readers, skip_bad=skip_bad, held_out_fraction=held_out,
+                            seed=common["seed"], shuffle_buffer=cfg.shuffle_buffer if cfg.shuffle else 0)
     shards = main.stream().num_shards
     by_shard = shards % (world_size * readers) == 0
     split = "by shard" if by_shard else "by document (every reader reads all rows)"
