@@ -7,8 +7,9 @@ trains a byte-level BPE tokenizer on a sample (`--vocab`, or pass `--tokenizer` 
 then measures:
 
 - offline tokens/s of scripts/tokenize_corpus.py's work (`tokenize_to_dir`) with 1, 2 and all cores
-  (best of `--repeats`), with the cores its workers kept busy, its tokens per CPU-second and the
-  load average at its start: on a shared machine, scaling below the cores shows as fewer busy cores;
+  (best of `--repeats`), with the cores its workers kept busy, its tokens per CPU-second, and the
+  cores as many spinning processes got just before it and the load average: on a shared machine
+  the parallel rate is bounded by the cores the other jobs leave;
 - loader tokens/s of one rank from the token directory (data=tokens) and from the stream
   (data.streaming=true, default data.num_workers), batches of `--batch` × `--seq-len`;
 - time to the first batch (build_loaders → first batch: the part of a run's start that depends on
@@ -74,6 +75,22 @@ def children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def available_cores(processes: int, seconds: float = 1.0) -> float:
+    """The cores that `processes` spinning processes get from this machine now: on a shared machine
+    the other jobs take the rest, and no tokenizer can scale past it."""
+    cpu, started, pids = children_cpu_seconds(), time.perf_counter(), []
+    for _ in range(processes):
+        pid = os.fork()
+        if pid == 0:
+            while time.perf_counter() < started + seconds:
+                pass
+            os._exit(0)
+        pids.append(pid)
+    for pid in pids:
+        os.waitpid(pid, 0)
+    return (children_cpu_seconds() - cpu) / (time.perf_counter() - started)
+
+
 def first_batch(cfg: DataConfig, batch: int) -> tuple[float, object]:
     started = time.perf_counter()
     train, _ = build_loaders(cfg, batch, 0, 1, 0, "cpu", max_seq_len=cfg.seq_len,
@@ -97,6 +114,8 @@ def measure_loader(cfg: DataConfig, batch: int, batches: int) -> dict:
         os.close(read)
         ttfb, iterator = first_batch(cfg, batch)
         rate = loader_rate(iterator, batches, batch * cfg.seq_len)
+        # Stops the DataLoader's workers, which would otherwise outlive os._exit, holding the pipe.
+        iterator.close()
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
         result = {"first_batch_s": ttfb, "tokens_per_s": rate, "peak_rss_mib": rss}
         os.write(write, json.dumps(result).encode())
@@ -142,18 +161,19 @@ def main(argv: list[str]) -> int:
         runs = []
         for _ in range(args.repeats):
             shutil.rmtree(out, ignore_errors=True)
-            load, cpu = os.getloadavg()[0], children_cpu_seconds()
-            started = time.perf_counter()
+            load, free = os.getloadavg()[0], available_cores(processes)
+            cpu, started = children_cpu_seconds(), time.perf_counter()
             results = tokenize_to_dir(files(small), out, shards=args.files, processes=processes)
             seconds, cpu = time.perf_counter() - started, children_cpu_seconds() - cpu
-            runs.append((sum(r.tokens for r in results) / seconds, cpu / seconds, load))
-        rate, busy, load = max(runs)
+            runs.append((sum(r.tokens for r in results) / seconds, cpu / seconds, free, load))
+        rate, busy, free, load = max(runs)
         rates[processes] = rate
         target = 0.8 * processes * rates[1]
         print(f"offline tokenization, {processes} processes: {rate:,.0f} tokens/s ({rate / rates[1]:.2f}x "
               f"the 1-process rate; target 0.8 x {processes} x the 1-process rate = {target:,.0f}); "
-              f"{busy:.2f} cores busy, {rate / busy:,.0f} tokens per CPU-second; load average {load:.2f} "
-              f"at its start (best of {args.repeats})", flush=True)
+              f"{busy:.2f} cores busy, {rate / busy:,.0f} tokens per CPU-second; just before it "
+              f"{processes} spinning processes got {free:.2f} cores, load average {load:.2f} "
+              f"(best of {args.repeats})", flush=True)
     large_tokens = work / "tokens10x"
     if not large_tokens.is_dir():
         tokenize_to_dir(files(large), large_tokens, shards=10 * args.files, processes=cores)
