@@ -75,6 +75,24 @@ def test_stream_resumes_exactly_mid_buffer_and_across_epochs(tmp_path, workers, 
         assert same(take(resumed, 60 - stop), reference[stop:]), stop
 
 
+def test_stream_state_saved_before_the_shuffle_pool_resumes_exactly(tmp_path):
+    corpus(tmp_path / "c")
+    cfg = stream_config(tmp_path / "c", shuffle=False)
+    reference = take(build(cfg)[0], 60)
+    first = build(cfg)[0]
+    batches = iter(first)
+    next(batches)
+    while first.state_dict()["reader_states"][0]["pool_lengths"]:  # until nothing is read ahead,
+        next(batches)  # as in the states of older versions
+    stop, state = first.batches, first.state_dict()
+    assert 0 < stop < 60
+    for key in ("pool", "pool_lengths", "rng"):
+        del state["reader_states"][0][key]
+    resumed = build(cfg)[0]
+    resumed.load_state_dict(state)
+    assert same(take(resumed, 60 - stop), reference[stop:])
+
+
 def test_stream_packs_the_windows_the_stored_path_packs(tmp_path):
     corpus(tmp_path / "c")
     stored = DataConfig(source=DataSource.files, path=str(tmp_path / "c"), seq_len=16, val_fraction=0.0,

@@ -80,9 +80,9 @@ class StreamWindows(torch.utils.data.IterableDataset):
 
     def _reader(self, reader: int) -> Iterator[tuple[Batch, int, ReaderState]]:
         tokenizer = load_tokenizer(self.tokenizer)
-        state = self.start_states[reader] or {"epoch": 0, "hf": None, "tokens": [], "starts": [],
-                                               "pool": [], "pool_lengths": [], "rng": None,
-                                               "skipped": 0, "last_skip": None}
+        fresh = {"epoch": 0, "hf": None, "tokens": [], "starts": [], "skipped": 0, "last_skip": None}
+        # States saved before the shuffle pool existed have none: theirs was empty.
+        state = {"pool": [], "pool_lengths": [], "rng": None, **(self.start_states[reader] or fresh)}
         epoch, skipped, last_skip = state["epoch"], state["skipped"], state["last_skip"]
         tokens = np.asarray(state["tokens"], dtype=np.int64)
         starts = np.zeros(len(tokens), dtype=bool)
