@@ -196,12 +196,15 @@ class DataConfig:
     num_workers: int = 1  # background DataLoader processes for training batches (0: main process)
     cache_dir: str | None = None  # token cache (and datasets' cache); default: the HF datasets cache
     shuffle: bool = True  # a new seeded order every epoch
+    # streaming (with shuffle): documents drawn at random from a pool of this many, read ahead
+    shuffle_buffer: int = 256
     format: DataFormat = DataFormat.text  # sft: chat `messages` or `prompt`/`response` records
     sft_template: SFTTemplate = SFTTemplate.auto  # sft: how a conversation becomes tokens
     sft_overlong: SFTOverlong = SFTOverlong.truncate  # sft: examples longer than seq_len + 1 tokens
 
     def __post_init__(self) -> None:
         _require_positive(self, "data", "seq_len", "val_tokens")
+        _require_not_negative(self, "data", "shuffle_buffer")
         if self.streaming and self.source not in (DataSource.files, DataSource.hub):
             raise ValueError(f"data.streaming=true streams data.source=files or hub, not "
                              f"{str(self.source)!r}")

@@ -1,5 +1,6 @@
 """Order, sharding and exact resume of PackedLoader, on a dataset whose window i is all i's."""
 
+import tracemalloc
 from itertools import islice
 
 import numpy as np
@@ -52,11 +53,38 @@ def test_ranks_are_disjoint_and_cover_the_epoch():
 
 def test_order_is_seeded_and_changes_every_epoch():
     a, b, c = make(40, seed=1), make(40, seed=1), make(40, seed=2)
-    assert (a.order(0) == b.order(0)).all() and (a.order(3) == b.order(3)).all()
-    assert not (a.order(0) == a.order(1)).all()
-    assert not (a.order(0) == c.order(0)).all()
-    assert sorted(a.order(5).tolist()) == list(range(40))
-    assert (make(40, shuffle=False).order(2) == np.arange(40)).all()
+    assert (a.order(0)[:] == b.order(0)[:]).all() and (a.order(3)[:] == b.order(3)[:]).all()
+    assert not (a.order(0)[:] == a.order(1)[:]).all()
+    assert not (a.order(0)[:] == c.order(0)[:]).all()
+    assert sorted(a.order(5)[:].tolist()) == list(range(40))
+    assert (make(40, shuffle=False).order(2)[:] == np.arange(40)).all()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 17, 64, 65, 1000, 4097])
+def test_order_is_a_permutation_of_every_size(n):
+    for epoch in range(3):
+        order = make(n, batch_size=1, seed=7).order(epoch)
+        visited = order[:]
+        assert sorted(visited.tolist()) == list(range(n))
+        assert [order[i] for i in (0, n // 2, -1)] == visited[[0, n // 2, -1]].tolist()
+        assert (order[n // 3:n // 3 + 5] == visited[n // 3:n // 3 + 5]).all()  # a rank's slice
+    if n >= 64:  # shuffled, not merely rotated or reflected
+        visited = make(n, seed=7).order(0)[:]
+        assert len(set(np.diff(visited).tolist())) > n // 4
+
+
+def test_order_memory_does_not_grow_with_the_windows():
+    """Stored data's loader builds each batch's indices from the permutation without materializing
+    it: a few kilobytes for 10^4 windows, 10^7 (an 80 MB permutation as an array) and 2^62."""
+    peaks = []
+    for n in (10**4, 10**7, 2**62):
+        tracemalloc.start()
+        batches = take(make(n, batch_size=4), 3)
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+        indices = sum(batches, [])
+        assert len(set(indices)) == 12 and all(0 <= i < n for i in indices)
+    assert max(peaks) < 2**20
 
 
 @pytest.mark.parametrize("rank,world_size", [(0, 1), (1, 2)])
@@ -103,6 +131,9 @@ def test_state_of_other_data_is_rejected():
         make(41).load_state_dict(state)
     with pytest.raises(ValueError, match="seed"):
         make(40, seed=3).load_state_dict(state)
+    with pytest.raises(ValueError, match="order=1"):  # a checkpoint of the materialized permutation
+        make(40).load_state_dict({k: v for k, v in state.items() if k != "order"})
+    make(40, shuffle=False).load_state_dict({k: v for k, v in state.items() if k != "order"})
 
 
 def test_loading_state_while_iterating_is_an_error():

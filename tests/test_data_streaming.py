@@ -4,6 +4,7 @@ bad rows named and skipped or fatal, and token directories independent of the pr
 
 import gzip
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,9 +18,11 @@ from test_checkpoint_resume import FAST, Crash, crash_on_step_call
 from test_data_sources import word_tokenizer
 
 from codatrain.config import DataConfig, DataSource, OnBadData, load_config
-from codatrain.data import build_loaders
+from codatrain.data import build_loaders, pretokenize
 from codatrain.data.pretokenize import tokenize_to_dir
 from codatrain.data.sources import DataFileError, held_out_by_content
+from codatrain.data.streaming import CHUNK_ROWS
+from codatrain.data.tokenizer import load_tokenizer
 from codatrain.train.trainer import train
 
 BOS, EOS = 256, 257
@@ -58,10 +61,12 @@ def same(a, b):
                and torch.equal(x.doc_ids, y.doc_ids) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_stream_resumes_exactly_mid_buffer_and_across_epochs(tmp_path, workers):
+@pytest.mark.parametrize("workers,shuffle_buffer", [(0, 256), (2, 256), (0, 3), (0, 0)])
+def test_stream_resumes_exactly_mid_buffer_and_across_epochs(tmp_path, workers, shuffle_buffer):
+    """Resumed mid-batch, mid-pool (a shuffle pool of 3 holds up to 3 + CHUNK_ROWS documents) and
+    across epochs, the stream gives the uninterrupted run's batches."""
     corpus(tmp_path / "c")
-    cfg = stream_config(tmp_path / "c", num_workers=workers)
+    cfg = stream_config(tmp_path / "c", num_workers=workers, shuffle_buffer=shuffle_buffer)
     reference = take(build(cfg)[0], 60)  # about three epochs of each reader
     for stop in (3, 7, 31):
         first = build(cfg)[0]
@@ -72,12 +77,30 @@ def test_stream_resumes_exactly_mid_buffer_and_across_epochs(tmp_path, workers):
         assert same(take(resumed, 60 - stop), reference[stop:]), stop
 
 
+def test_stream_state_saved_before_the_shuffle_pool_resumes_exactly(tmp_path):
+    corpus(tmp_path / "c")
+    cfg = stream_config(tmp_path / "c", shuffle=False)
+    reference = take(build(cfg)[0], 60)
+    first = build(cfg)[0]
+    batches = iter(first)
+    next(batches)
+    while first.state_dict()["reader_states"][0]["pool_lengths"]:  # until nothing is read ahead,
+        next(batches)  # as in the states of older versions
+    stop, state = first.batches, first.state_dict()
+    assert 0 < stop < 60
+    for key in ("pool", "pool_lengths", "rng"):
+        del state["reader_states"][0][key]
+    resumed = build(cfg)[0]
+    resumed.load_state_dict(state)
+    assert same(take(resumed, 60 - stop), reference[stop:])
+
+
 def test_stream_packs_the_windows_the_stored_path_packs(tmp_path):
     corpus(tmp_path / "c")
     stored = DataConfig(source=DataSource.files, path=str(tmp_path / "c"), seq_len=16, val_fraction=0.0,
                         keep_document_boundaries=True, shuffle=False, num_workers=0,
                         cache_dir=str(tmp_path / "cache"))
-    stream = take(build(stream_config(tmp_path / "c"))[0], 10)
+    stream = take(build(stream_config(tmp_path / "c", shuffle=False))[0], 10)
     assert same(stream, take(build(stored)[0], 10))
 
 
@@ -114,6 +137,24 @@ def documents_of(stream: np.ndarray) -> list[str]:
         if len(body) and body[-1] == EOS:
             docs.append(bytes(body[:-1].astype(np.uint8)).decode())
     return docs
+
+
+def test_stream_shuffles_documents_within_its_pool_every_epoch(tmp_path):
+    texts = corpus(tmp_path / "c")
+    cfg = stream_config(tmp_path / "c", shuffle_buffer=8)
+
+    def epochs(cfg, seed=0):
+        loader = build_loaders(cfg, 2, 0, 1, seed, "cpu", max_seq_len=64, model_vocab_size=512)[0]
+        docs = documents_of(torch.cat([b.inputs.reshape(-1) for b in take(loader, 150)]).numpy())
+        return docs[:len(texts)], docs[len(texts):2 * len(texts)]  # windows tile the stream
+
+    first, second = epochs(cfg)
+    assert sorted(first) == sorted(texts) and sorted(second) == sorted(texts)  # each once per epoch
+    assert first != texts and second != first  # shuffled, and anew each epoch
+    assert epochs(cfg) == (first, second) and epochs(cfg, seed=1)[0] != first  # seeded by the run
+    # A document moves no further ahead than the pool reaches: 8 + CHUNK_ROWS documents.
+    assert all(texts.index(doc) <= i + 8 + CHUNK_ROWS for i, doc in enumerate(first))
+    assert epochs(stream_config(tmp_path / "c", shuffle=False))[0] == texts
 
 
 @pytest.mark.slow
@@ -159,7 +200,8 @@ def test_bad_rows_in_a_stream_stop_the_run_naming_file_and_line(tmp_path):
 
 
 def test_bad_rows_in_a_stream_are_skipped_and_counted(tmp_path):
-    cfg = stream_config(write_bad_corpus(tmp_path / "bad"), seq_len=4, on_bad_data=OnBadData.skip)
+    cfg = stream_config(write_bad_corpus(tmp_path / "bad"), seq_len=4, on_bad_data=OnBadData.skip,
+                        shuffle=False)
     loader = build(cfg, batch_size=1)[0]
     batches = take(loader, 7)  # 28 of the 32 tokens of the good rows: within the first epoch
     count, last = loader.skipped_rows
@@ -192,6 +234,29 @@ def test_token_directory_is_the_same_from_1_or_3_processes(tmp_path):
         train_loader, val_loader = build(cfg, batch_size=3)
         batches.append((take(train_loader, 8), list(val_loader)))
     assert same(batches[0][0], batches[1][0]) and same(batches[0][1], batches[1][1])
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_tokenizing_workers_are_single_threaded(tmp_path, monkeypatch, processes):
+    """Each worker loads its tokenizer with the Rayon pool off, so N workers use N cores (and the
+    1-process rate is one core's); the caller's environment is left as it was."""
+    corpus(tmp_path / "c")
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    monkeypatch.delenv("RAYON_NUM_THREADS", raising=False)
+    seen = tmp_path / "seen"
+    seen.mkdir()
+
+    def recording_load(spec):  # the forked workers inherit this patch
+        names = ("TOKENIZERS_PARALLELISM", "RAYON_NUM_THREADS")
+        (seen / str(os.getpid())).write_text(" ".join(str(os.environ.get(n)) for n in names))
+        return load_tokenizer(spec)
+
+    monkeypatch.setattr(pretokenize, "load_tokenizer", recording_load)
+    source = DataConfig(source=DataSource.files, path=str(tmp_path / "c"), val_fraction=0.0)
+    tokenize_to_dir(source, tmp_path / "tokens", shards=4, processes=processes)
+    assert {p.read_text() for p in seen.iterdir()} == {"false 1"}
+    assert len(list(seen.iterdir())) == processes and str(os.getpid()) not in os.listdir(seen)
+    assert "TOKENIZERS_PARALLELISM" not in os.environ and "RAYON_NUM_THREADS" not in os.environ
 
 
 def test_machines_split_the_shards_and_an_incomplete_directory_is_named(tmp_path):

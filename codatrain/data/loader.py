@@ -1,6 +1,7 @@
 """Training and validation loaders: sharding, epoch order, background workers and exact resume.
 
-Order. Epoch e visits the windows in the permutation `order(e)`, a pure function of (seed, e).
+Order. Epoch e visits the windows in the permutation `order(e)`, a pure function of (seed, e)
+computed index by index (order.py), so the order takes no memory that grows with the data.
 Every step consumes the next `batch_size · world_size` entries of it, rank r taking the r-th slice
 of `batch_size`: the ranks' batches are disjoint, together they cover the permutation, and an
 epoch ends when fewer than one global batch of windows is left (the leftover differs per epoch).
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from codatrain.config import DataConfig, DataFormat, DataSource, OnBadData
+from codatrain.data.order import ORDER_VERSION, WindowOrder
 from codatrain.data.packing import Batch, PackedWindows, SyntheticWindows, collate
 from codatrain.data.sft import SFTWindows, build_sft_datasets
 from codatrain.data.sources import Source, embedded_source, files_source, hub_source
@@ -73,11 +75,9 @@ class PackedLoader:
     def __len__(self) -> int:
         return len(self.dataset) // self.global_batch
 
-    def order(self, epoch: int) -> np.ndarray:
-        """The permutation of window indices that epoch `epoch` visits."""
-        if not self.shuffle:
-            return np.arange(len(self.dataset))
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
+    def order(self, epoch: int) -> WindowOrder:
+        """The permutation of window indices that epoch `epoch` visits, computed per index (order.py)."""
+        return WindowOrder(len(self.dataset), (self.seed, epoch) if self.shuffle else None)
 
     def advance(self, position: Position) -> Position:
         """The position after one global batch from `position`."""
@@ -115,12 +115,15 @@ class PackedLoader:
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.position.epoch, "offset": self.position.offset, "seed": self.seed,
-                "num_windows": len(self.dataset), "seq_len": self.dataset.seq_len}
+                "num_windows": len(self.dataset), "seq_len": self.dataset.seq_len, "order": ORDER_VERSION}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue from a `state_dict()`; iterators created before this call stop with an error."""
-        for key, current in (("num_windows", len(self.dataset)), ("seq_len", self.dataset.seq_len),
-                             ("seed", self.seed)):
+        checks = [("num_windows", len(self.dataset)), ("seq_len", self.dataset.seq_len), ("seed", self.seed)]
+        if self.shuffle:  # the unshuffled order is the same in every version
+            state = {"order": 1, **state}  # states without the key predate order.py
+            checks.append(("order", ORDER_VERSION))
+        for key, current in checks:
             if int(state[key]) != current:
                 raise ValueError(f"the {self.name} data state was saved with {key}={state[key]}, but this "
                                  f"run has {key}={current}: the data or its order changed, so it cannot "
@@ -233,7 +236,8 @@ def _stream_loaders(cfg: DataConfig, tokenizer: Tokenizer,
     rank, world_size = common["rank"], common["world_size"]
     windows = StreamWindows(main, cfg.tokenizer, seq_len=cfg.seq_len, batch_size=common["batch_size"],
                             with_doc_ids=cfg.keep_document_boundaries, rank=rank, world_size=world_size,
-                            readers=readers, skip_bad=skip_bad, held_out_fraction=held_out)
+                            readers=readers, skip_bad=skip_bad, held_out_fraction=held_out,
+                            seed=common["seed"], shuffle_buffer=cfg.shuffle_buffer if cfg.shuffle else 0)
     shards = main.stream().num_shards
     by_shard = shards % (world_size * readers) == 0
     split = "by shard" if by_shard else "by document (every reader reads all rows)"

@@ -60,20 +60,21 @@ def tokenize_to_dir(cfg: DataConfig, out: str | Path, shards: int, processes: in
                          f"and processes ({processes}) > 0")
     todo = [i for i in range(machine, shards, machines)
             if not (Path(out) / f"shard-{shard_name(i, shards)}.json").is_file()]
-    # One core per process: the tokenizer's own thread pool would oversubscribe the machine.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # Opening the stream here checks the source, and imports once what `datasets` streams with
+    # (~1 s of modules), which forked workers then start with.
+    data_sources(cfg)[0].stream()
     results = []
-    if processes == 1:
-        for index in todo:
-            results.append(_tokenize_one(cfg, str(out), index, shards))
-            if on_done:
-                on_done(results[-1])
-        return results
-    # Forked workers start at once with the modules already imported; nothing has started threads yet.
-    with ProcessPoolExecutor(processes, mp_context=get_context("fork")) as pool:
+    # One process is one forked worker too, so the 1-process rate is that of the same worker.
+    with ProcessPoolExecutor(processes, mp_context=get_context("fork"), initializer=_one_core) as pool:
         futures = [pool.submit(_tokenize_one, cfg, str(out), index, shards) for index in todo]
         for future in futures:
             results.append(future.result())
             if on_done:
                 on_done(results[-1])
     return results
+
+
+def _one_core() -> None:
+    """A worker's initializer, before it loads a tokenizer: `tokenizers` runs encode_batch on a Rayon
+    pool of every core, so N workers would each try to use the whole machine."""
+    os.environ.update(TOKENIZERS_PARALLELISM="false", RAYON_NUM_THREADS="1")

@@ -7,15 +7,23 @@ Readers. A rank runs K = max(1, data.num_workers) readers, one per worker. Reade
 multiple of world_size·K, else every (world_size·K)-th document. It tokenizes rows in chunks and
 packs the documents into windows of seq_len + 1 tokens exactly as `PackedWindows` packs a stored
 stream (consecutive windows share one token; document ids kept), and yields whole batches. When its
-part ends it starts the next epoch (`set_epoch`, which reorders the shards); documents are not
-shuffled within a stream, so give a shuffled source (or pre-tokenize: data=tokens shuffles windows).
+part ends it starts the next epoch (`set_epoch`, which reorders the shards from epoch 1 on).
+
+Shuffle. A reader reads ahead into a pool of more than data.shuffle_buffer documents (tokenized)
+and packs them in a random order: each document packed is drawn from the pool, which is then
+refilled, and the pool is emptied at the end of the reader's part, so an epoch still has every
+document once. The draw's generator is seeded by (run seed, rank, reader, epoch), and the pool and
+the generator's state are part of the reader's state, so a resume continues the same order. It is
+a local shuffle (a document moves at most the pool's size ahead); data.shuffle=false or
+data.shuffle_buffer=0 keeps the source's order.
 
 Order and state. Batch b of a rank comes from reader b mod K (the DataLoader takes its workers in
 turn). With every batch a reader hands over its state: its epoch, the `datasets` state of its
-part (shard and row, `IterableDataset.state_dict`) and its packing buffer (the tokens read but not
-yet in a batch). The main process keeps the state of the batches it has handed out, not of those
-prefetched, so a checkpoint holds exactly where each reader stands; on resume each reader loads its
-state and the workers are rotated so that the next batch comes from the reader whose turn it is.
+part (shard and row, `IterableDataset.state_dict`), its shuffle pool and generator, and its packing
+buffer (the tokens drawn but not yet in a batch). The main process keeps the state of the batches
+it has handed out, not of those prefetched, so a checkpoint holds exactly where each reader stands;
+on resume each reader loads its state and the workers are rotated so that the next batch comes
+from the reader whose turn it is.
 
 Validation reads a bounded set: the first data.val_tokens tokens of the validation source, or of
 the documents that `held_out_by_content` holds out of the training stream (training skips them). It
@@ -48,10 +56,11 @@ class StreamWindows(torch.utils.data.IterableDataset):
 
     def __init__(self, source: Source, tokenizer: str, *, seq_len: int, batch_size: int,
                  with_doc_ids: bool, rank: int, world_size: int, readers: int, skip_bad: bool,
-                 held_out_fraction: float) -> None:
+                 held_out_fraction: float, seed: int, shuffle_buffer: int) -> None:
         self.source, self.tokenizer, self.seq_len, self.batch_size = source, tokenizer, seq_len, batch_size
         self.with_doc_ids, self.rank, self.world_size, self.readers = with_doc_ids, rank, world_size, readers
         self.skip_bad, self.held_out_fraction = skip_bad, held_out_fraction
+        self.seed, self.shuffle_buffer = seed, shuffle_buffer  # shuffle_buffer 0: the source's order
         # Where iteration starts: batches handed out so far, and each reader's state (None: its start).
         self.start_batches, self.start_states = 0, [None] * readers
 
@@ -71,32 +80,47 @@ class StreamWindows(torch.utils.data.IterableDataset):
 
     def _reader(self, reader: int) -> Iterator[tuple[Batch, int, ReaderState]]:
         tokenizer = load_tokenizer(self.tokenizer)
-        state = self.start_states[reader] or {"epoch": 0, "hf": None, "tokens": [], "starts": [],
-                                               "skipped": 0, "last_skip": None}
+        fresh = {"epoch": 0, "hf": None, "tokens": [], "starts": [], "skipped": 0, "last_skip": None}
+        # States saved before the shuffle pool existed have none: theirs was empty.
+        state = {"pool": [], "pool_lengths": [], "rng": None, **(self.start_states[reader] or fresh)}
         epoch, skipped, last_skip = state["epoch"], state["skipped"], state["last_skip"]
         tokens = np.asarray(state["tokens"], dtype=np.int64)
         starts = np.zeros(len(tokens), dtype=bool)
         starts[np.asarray(state["starts"], dtype=np.int64)] = True
+        # Documents read ahead and not yet packed, in the order read.
+        lengths = np.asarray(state["pool_lengths"], dtype=np.int64)
+        pool = list(np.split(np.asarray(state["pool"], dtype=np.int64), np.cumsum(lengths)[:-1]))
+        pool = pool if len(lengths) else []  # (split makes one empty piece of nothing)
         step, need = self.batch_size * self.seq_len, self.batch_size * self.seq_len + 1
-        hf_state = state["hf"]
+        hf_state, rng_state = state["hf"], state["rng"]
         while True:
             part = self._part(reader, epoch, hf_state)
-            rows, read_any = part.iter(batch_size=CHUNK_ROWS), False
+            rng = np.random.default_rng([self.seed, self.rank, reader, epoch])
+            if rng_state is not None:
+                rng.bit_generator.state = rng_state
+            rows, read_any, ended = part.iter(batch_size=CHUNK_ROWS), False, False
             while True:
-                pieces = []
-                while len(tokens) + sum(map(len, pieces)) < need:
-                    chunk = next(rows, None)
-                    if chunk is None:
+                pieces, have = [], len(tokens)
+                while have < need:
+                    # Read ahead until the pool holds more than shuffle_buffer documents (one at least).
+                    while not ended and len(pool) <= self.shuffle_buffer:
+                        chunk = next(rows, None)
+                        if chunk is None:
+                            ended = True
+                            break
+                        texts, errors = stream_texts(chunk, self.skip_bad)
+                        skipped, last_skip = skipped + len(errors), errors[-1] if errors else last_skip
+                        if self.held_out_fraction > 0:
+                            texts = [t for t in texts if not held_out_by_content(t, self.held_out_fraction)]
+                        pool += [frame_document(tokenizer, ids, np.int64)
+                                 for ids in tokenizer.encode_batch(texts)]
+                        read_any = read_any or bool(texts)
+                    if not pool:
                         break
-                    texts, errors = stream_texts(chunk, self.skip_bad)
-                    skipped, last_skip = skipped + len(errors), errors[-1] if errors else last_skip
-                    if self.held_out_fraction > 0:
-                        texts = [t for t in texts if not held_out_by_content(t, self.held_out_fraction)]
-                    pieces += [frame_document(tokenizer, ids, np.int64)
-                               for ids in tokenizer.encode_batch(texts)]
+                    pieces.append(pool.pop(int(rng.integers(len(pool))) if self.shuffle_buffer else 0))
+                    have += len(pieces[-1])
                 if pieces:
-                    read_any = True
-                    first = np.zeros(sum(map(len, pieces)), dtype=bool)
+                    first = np.zeros(have - len(tokens), dtype=bool)
                     first[np.cumsum([0] + [len(p) for p in pieces[:-1]])] = True
                     tokens, starts = np.concatenate([tokens, *pieces]), np.concatenate([starts, first])
                 if len(tokens) < need:
@@ -107,13 +131,16 @@ class StreamWindows(torch.utils.data.IterableDataset):
                 tokens, starts = tokens[step:], starts[step:]
                 yield collate(windows), reader, {
                     "epoch": epoch, "hf": part.state_dict(), "tokens": tokens,
-                    "starts": np.flatnonzero(starts), "skipped": skipped, "last_skip": last_skip}
+                    "starts": np.flatnonzero(starts),
+                    "pool": np.concatenate(pool) if pool else np.zeros(0, dtype=np.int64),
+                    "pool_lengths": np.array([len(d) for d in pool], dtype=np.int64),
+                    "rng": rng.bit_generator.state, "skipped": skipped, "last_skip": last_skip}
             if not read_any and hf_state is None:  # (a resumed epoch may have had nothing left)
                 share = f"1/{self.world_size * self.readers}"
                 raise ValueError(f"{self.source.location}: reader {reader} of rank {self.rank} found no "
                                  f"documents in epoch {epoch} of its part ({share} of the stream); the "
                                  "source has too few documents or shards for the ranks × data.num_workers")
-            epoch, hf_state = epoch + 1, None
+            epoch, hf_state, rng_state = epoch + 1, None, None
 
 
 def _doc_ids(later_starts: np.ndarray) -> np.ndarray:
@@ -159,8 +186,8 @@ class StreamLoader:
             yield batch.to(self.device)
 
     def state_dict(self) -> dict[str, Any]:
-        readers = [None if s is None else {**s, "tokens": np.asarray(s["tokens"]).tolist(),
-                                           "starts": np.asarray(s["starts"]).tolist()}
+        arrays = ("tokens", "starts", "pool", "pool_lengths")
+        readers = [None if s is None else {**s, **{key: np.asarray(s[key]).tolist() for key in arrays}}
                    for s in self.states]
         return {"stream": self.dataset.source.location, "seq_len": self.dataset.seq_len,
                 "world_size": self.dataset.world_size, "readers": self.dataset.readers,
