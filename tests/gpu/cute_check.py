@@ -109,3 +109,38 @@ def rstd_of(rows: int) -> torch.Tensor:
 
 def positions(shape: Shape) -> torch.Tensor:
     return torch.arange(shape.tokens, device=DEVICE) % shape.seq_len
+
+
+# ---- model level: a bf16 model against an fp32 truth, with a bf16 baseline as the error scale ----
+LOSS_RTOL_FLOOR = 5e-3
+GRAD_RTOL_FLOOR = 1e-2
+
+
+@torch.no_grad()
+def load_canonical(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """The canonical `state` into `model`'s parameters, through its layout table, on DEVICE."""
+    layout = model.layout()
+    for name, param in model.named_parameters():
+        param.copy_(layout[name].to_native(state[layout[name].name].to(DEVICE, param.dtype)))
+
+
+def model_failures(name: str, label: str, loss: float, loss16: float, loss32: float,
+                   grads: dict[str, torch.Tensor], grads16: dict[str, torch.Tensor],
+                   grads32: dict[str, torch.Tensor]) -> list[str]:
+    """What fails the model-level criterion: the loss further from the fp32 truth's than twice the
+    bf16 baseline's distance (floor LOSS_RTOL_FLOOR relative), a gradient's error against fp32 above
+    twice the bf16 baseline's (floor GRAD_RTOL_FLOOR). Prints the losses and the worst gradient."""
+    loss_tol = max(2 * abs(loss16 - loss32), LOSS_RTOL_FLOOR * abs(loss32))
+    print(f"{name}: loss fp32 {loss32:.6f}  bf16 baseline {loss16:.6f}  {label} {loss:.6f}")
+    failures = []
+    if not abs(loss - loss32) <= loss_tol:
+        failures.append(f"loss {loss:.6f} vs fp32 {loss32:.6f} (tolerance {loss_tol:.2e})")
+    worst = (0.0, "")
+    for param, ref in grads32.items():
+        err, bf16_err = rel_err(grads[param], ref), rel_err(grads16[param], ref)
+        tol = max(2 * bf16_err, GRAD_RTOL_FLOOR)
+        worst = max(worst, (err / tol, f"{param}: {label} {err:.2e}, bf16 baseline {bf16_err:.2e}"))
+        if not err <= tol:
+            failures.append(f"grad {param}: {label} {err:.3e} > tolerance {tol:.3e} (bf16 {bf16_err:.3e})")
+    print(f"{name}: worst gradient (error / tolerance {worst[0]:.2f}) {worst[1]}")
+    return failures

@@ -19,6 +19,7 @@ if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 
 pytest.importorskip("quack")
 pytest.importorskip("flash_attn.cute")
 
+from cute_check import DEVICE, load_canonical, model_failures  # noqa: E402
 from model_states import random_canonical_state  # noqa: E402
 
 from codatrain.model.coda import CodaLlama  # noqa: E402
@@ -26,9 +27,6 @@ from codatrain.model.config import LlamaConfig, get_preset  # noqa: E402
 from codatrain.model.llama import IGNORE_INDEX, Llama  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-DEVICE = torch.device("cuda")
-LOSS_RTOL_FLOOR = 5e-3
-GRAD_RTOL_FLOOR = 1e-2
 
 # name: (config, batch, sequence length)
 CASES = {
@@ -40,23 +38,12 @@ CASES = {
 }
 
 
-@torch.no_grad()
-def load(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    layout = model.layout()
-    for name, param in model.named_parameters():
-        param.copy_(layout[name].to_native(state[layout[name].name].to(DEVICE, param.dtype)))
-
-
 def loss_and_grads(model, tokens, targets) -> tuple[float, dict[str, torch.Tensor]]:
     loss = model(tokens, targets)
     loss.backward()
     layout = model.layout()
     grads = {layout[n].name: layout[n].to_canonical(p.grad).double() for n, p in model.named_parameters()}
     return loss.item(), grads
-
-
-def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((a - ref).norm() / ref.norm()).item()
 
 
 def compare(case: str, cfg: LlamaConfig, batch: int, seq: int, truth, bf16_baseline, under_test) -> None:
@@ -76,24 +63,12 @@ def compare(case: str, cfg: LlamaConfig, batch: int, seq: int, truth, bf16_basel
         with torch.device("meta"):
             model = make()
         model = model.to_empty(device=DEVICE).to(dtype)
-        load(model, state)
+        load_canonical(model, state)
         runs[label] = loss_and_grads(model, tokens, targets)
         del model
 
     (loss32, grads32), (loss16, grads16), (loss_c, grads_c) = runs.values()
-    loss_tol = max(2 * abs(loss16 - loss32), LOSS_RTOL_FLOOR * abs(loss32))
-    print(f"{case}: loss fp32 {loss32:.6f}  bf16 baseline {loss16:.6f}  cute {loss_c:.6f}")
-    failures = []
-    if not abs(loss_c - loss32) <= loss_tol:
-        failures.append(f"loss {loss_c:.6f} vs fp32 {loss32:.6f} (tolerance {loss_tol:.2e})")
-    worst = (0.0, "")
-    for name, ref in grads32.items():
-        err, bf16_err = rel_err(grads_c[name], ref), rel_err(grads16[name], ref)
-        tol = max(2 * bf16_err, GRAD_RTOL_FLOOR)
-        worst = max(worst, (err / tol, f"{name}: cute {err:.2e}, bf16 baseline {bf16_err:.2e}"))
-        if not err <= tol:
-            failures.append(f"grad {name}: cute {err:.3e} > tolerance {tol:.3e} (bf16 {bf16_err:.3e})")
-    print(f"{case}: worst gradient (error / tolerance {worst[0]:.2f}) {worst[1]}")
+    failures = model_failures(case, "cute", loss_c, loss16, loss32, grads_c, grads16, grads32)
     assert not failures, "\n".join(failures)
 
 

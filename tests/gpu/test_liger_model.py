@@ -24,16 +24,14 @@ try:
 except BackendUnavailableError as exc:
     pytest.skip(str(exc), allow_module_level=True)
 
+from cute_check import DEVICE, load_canonical, model_failures, rel_err  # noqa: E402
 from model_states import random_canonical_state  # noqa: E402
 
 from codatrain.model.config import LlamaConfig, get_preset  # noqa: E402
 from codatrain.model.llama import IGNORE_INDEX, Llama  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-DEVICE = torch.device("cuda")
 OUT_RTOL_FLOOR = 1e-2
-LOSS_RTOL_FLOOR = 5e-3
-GRAD_RTOL_FLOOR = 1e-2
 
 # name: (config, document lengths of each row, which also give batch and sequence length)
 CASES = {
@@ -48,17 +46,6 @@ CASES = {
 def doc_ids_of(lengths_per_row: list[list[int]]) -> torch.Tensor:
     rows = [torch.arange(len(ls)).repeat_interleave(torch.tensor(ls)) for ls in lengths_per_row]
     return torch.stack(rows).to(DEVICE)
-
-
-@torch.no_grad()
-def load(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    layout = model.layout()
-    for name, param in model.named_parameters():
-        param.copy_(layout[name].to_native(state[layout[name].name].to(DEVICE, param.dtype)))
-
-
-def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((a.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
 def run(model, tokens, targets, doc_ids, reduction) -> tuple[float, dict[str, torch.Tensor], torch.Tensor]:
@@ -95,27 +82,14 @@ def test_liger_model_matches_eager(case, reduction, documents):
         with torch.device("meta"):  # no init: every parameter is loaded below
             model = make()
         model = model.to_empty(device=DEVICE).to(dtype)
-        load(model, state)
+        load_canonical(model, state)
         runs[label] = run(model, tokens, targets, doc_ids, reduction)
         del model
 
     (loss32, grads32, logits32), (loss16, grads16, logits16), (loss_l, grads_l, logits_l) = runs.values()
     name = f"{case}/{reduction}/{'documents' if documents else 'causal'}"
-    loss_tol = max(2 * abs(loss16 - loss32), LOSS_RTOL_FLOOR * abs(loss32))
-    print(f"{name}: loss fp32 {loss32:.6f}  eager-bf16 {loss16:.6f}  liger {loss_l:.6f}")
-    failures = []
-    if not abs(loss_l - loss32) <= loss_tol:
-        failures.append(f"loss {loss_l:.6f} vs fp32 {loss32:.6f} (tolerance {loss_tol:.2e})")
+    failures = model_failures(name, "liger", loss_l, loss16, loss32, grads_l, grads16, grads32)
     err, bf16_err = rel_err(logits_l, logits32), rel_err(logits16, logits32)
     if not err <= max(2 * bf16_err, OUT_RTOL_FLOOR):
         failures.append(f"logits: liger {err:.3e} > 2 × eager-bf16 {bf16_err:.3e}")
-    worst = (0.0, "")
-    for param, ref in grads32.items():
-        err, bf16_err = rel_err(grads_l[param], ref), rel_err(grads16[param], ref)
-        tol = max(2 * bf16_err, GRAD_RTOL_FLOOR)
-        worst = max(worst, (err / tol, f"{param}: liger {err:.2e}, eager-bf16 {bf16_err:.2e}"))
-        if not err <= tol:
-            failures.append(f"grad {param}: liger {err:.3e} > tolerance {tol:.3e} "
-                            f"(eager-bf16 {bf16_err:.3e})")
-    print(f"{name}: worst gradient (error / tolerance {worst[0]:.2f}) {worst[1]}")
     assert not failures, "\n".join(failures)
