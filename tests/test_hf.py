@@ -181,6 +181,23 @@ def test_shards_fill_up_to_exactly_the_limit_in_a_new_folder(tmp_path):
             assert all(torch.equal(f.get_tensor(k), torch.full((25,), float(k[-1]))) for k in f.keys())
 
 
+def test_a_new_export_over_an_old_one_leaves_no_stale_files(tmp_path):
+    """3 shards, then 2 (still with an index), then 1 file, then no tensors at all (an empty
+    model.safetensors): only the newest export's files are left."""
+    tensors = [(f"w{i}", torch.full((25,), float(i))) for i in range(5)]  # 100 bytes each
+    for n_tensors, expected in ((5, 3), (4, 2), (2, 1), (0, 1)):
+        save_hf(tmp_path, CFG, tensors[:n_tensors], max_shard_bytes=200)
+        files = sorted(p.name for p in tmp_path.iterdir())
+        if expected == 1:
+            shards = ["model.safetensors"]
+            assert files == ["config.json", *shards]
+        else:
+            shards = [f"model-{i:05d}-of-{expected:05d}.safetensors" for i in range(1, expected + 1)]
+            assert files == sorted(["config.json", INDEX_NAME, *shards])
+        with safe_open(tmp_path / shards[-1], framework="pt") as f:
+            assert len(f.keys()) == n_tensors - 2 * (expected - 1)
+
+
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_import_of_transformers_weights_gives_the_same_logits(tmp_path, tie):
     hf = random_hf_model(tie)
