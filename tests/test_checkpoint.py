@@ -266,6 +266,45 @@ def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
         Run(tmp_path).ckpt.restore()
 
 
+def test_init_from_a_checkpoint_of_another_model_names_it(tmp_path):
+    step_1 = Run(tmp_path / "a").ckpt.save(1)
+    wider = CFG.replace(ffn_dim=2 * CFG.ffn_dim)
+    model = Llama(wider)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    ckpt = Checkpointer(CheckpointConfig(init_from=str(step_1)), tmp_path / "b", wider, model, optimizer,
+                        scheduler, {}, print)
+    with pytest.raises(CheckpointError) as error:
+        ckpt.restore()
+    assert str(error.value) == (
+        f"checkpoint {step_1} holds a different model (ffn_dim: 384 there, 768 here); to match it, set "
+        "model.ffn_dim=384"
+    )
+
+
+def test_a_checkpoint_with_another_number_of_parameter_groups_is_a_clear_error(tmp_path):
+    step_1 = Run(tmp_path / "a").ckpt.save(1)
+    model = Llama(CFG)
+    decay = [p for p in model.parameters() if p.ndim == 2]
+    no_decay = [p for p in model.parameters() if p.ndim != 2]
+    optimizer = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    ckpt = Checkpointer(CheckpointConfig(resume=str(step_1)), tmp_path / "b", CFG, model, optimizer,
+                        scheduler, {}, print)
+    with pytest.raises(CheckpointError) as error:
+        ckpt.restore()
+    assert str(error.value) == f"{step_1}: the optimizer has 2 parameter groups, the checkpoint 1"
+
+
+def test_a_loader_state_that_is_not_json_is_a_one_line_save_error(tmp_path):
+    run = Run(tmp_path)
+    run.loaders["train"].offset = {1, 2}  # a set: not JSON-serializable
+    not_json = r"\(TypeError: the data-loader state must be JSON-serializable: Object of type set is not JSON"
+    with pytest.raises(CheckpointError, match=not_json):
+        run.ckpt.save(1)
+    assert list((tmp_path / "checkpoints").iterdir()) == []
+
+
 # ---- 2 processes (FSDP2, gloo) -> 1 ---------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:

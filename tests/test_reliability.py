@@ -126,6 +126,16 @@ def test_resume_auto_with_only_broken_checkpoints_fails_naming_them(tmp_path):
     assert "no usable checkpoint" in message and "step_1" in message and "step_2" in message
     assert "checkpoint.resume=<path>" in message and "train.run_dir" in message
     assert "\n" not in message
+    broken = []  # newest first, each as inspecting it alone says
+    for step in (2, 1):
+        with pytest.raises(CheckpointError) as one:
+            inspect_checkpoint(tmp_path / f"checkpoints/step_{step}")
+        broken.append(str(one.value))
+    assert message == (
+        f"checkpoint.resume=auto found no usable checkpoint in {tmp_path / 'checkpoints'}: "
+        f"{'; '.join(broken)}. Resume one by name with checkpoint.resume=<path>, or start a new run with "
+        "another train.run_dir"
+    )
 
 
 # ---- D6: file-system faults ----------------------------------------------------------------------------
@@ -143,7 +153,7 @@ def test_disk_full_during_a_save_removes_the_partial_folder_and_keeps_the_last_c
         with pytest.raises(CheckpointError) as error:
             run.ckpt.save(2)
     message = str(error.value)
-    assert "step_2 failed" in message and "No space left on device" in message
+    assert "step_2 failed (OSError on rank 0: [Errno 28] No space left on device)" in message
     assert "removed the partial .tmp-step_2" in message and "\n" not in message
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_1"]
     assert Run(tmp_path).ckpt.restore() == 1
