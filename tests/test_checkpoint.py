@@ -305,6 +305,48 @@ def test_a_loader_state_that_is_not_json_is_a_one_line_save_error(tmp_path):
     assert list((tmp_path / "checkpoints").iterdir()) == []
 
 
+def _as_if_saved_by_two_ranks(step_dir: Path, val_offsets: tuple[int, int], same_rng: bool) -> dict:
+    """Turn a 1-process checkpoint into what 2 ranks write: a rank_00001.json beside rank_00000.json
+    (the same training-loader state; the validation loader's `rank` differs), both listed in the
+    manifest with their checksums. Returns rank 0's state."""
+    states = []
+    for rank, offset in enumerate(val_offsets):
+        state = json.loads((step_dir / "rank_00000.json").read_text())
+        state["loaders"]["val"] = {"offset": offset, "rank": rank}
+        if rank == 1 and not same_rng:
+            state["rng"]["torch"] = torch.Generator().manual_seed(99).get_state().tolist()
+        states.append(state)
+    manifest = json.loads((step_dir / "checkpoint.json").read_text())
+    for rank, state in enumerate(states):
+        manifest["files"][f"rank_{rank:05d}.json"] = checkpoint_files.write_json(
+            step_dir / f"rank_{rank:05d}.json", state)
+    manifest["world_size"] = 2
+    (step_dir / "checkpoint.json").write_text(json.dumps(manifest))
+    return states[0]
+
+
+@pytest.mark.parametrize("same_rng", [True, False], ids=["same_rng", "rng_per_rank"])
+def test_resuming_two_ranks_state_on_one_keeps_what_was_the_same_on_every_rank(tmp_path, same_rng):
+    """The training loader (the same state on both ranks) and an RNG state shared by the ranks
+    continue; the validation loader's per-rank state cannot move to 1 process: it starts over."""
+    run = Run(tmp_path)
+    run.step()
+    saved = _as_if_saved_by_two_ranks(run.ckpt.save(1), val_offsets=(5, 5), same_rng=same_rng)
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
+    resumed = Run(tmp_path)  # seeds torch with 0
+    rng_of_run = torch.get_rng_state()
+    assert resumed.ckpt.restore() == 1
+    assert (resumed.loaders["train"].offset, resumed.loaders["val"].offset) == (1, 0)
+    assert resumed.logs.count("warning: the val data state differs per rank and cannot move from 2 to 1 "
+                              "processes; that loader starts from its beginning") == 1
+    restored = torch.get_rng_state()
+    if same_rng:
+        assert restored.tolist() == saved["rng"]["torch"]
+    else:
+        assert torch.equal(restored, rng_of_run) and not torch.equal(restored, before)
+
+
 # ---- 2 processes (FSDP2, gloo) -> 1 ---------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:
