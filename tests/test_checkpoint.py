@@ -262,7 +262,8 @@ def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
     manifest = json.loads(manifest_path.read_text())
     manifest["model_config"]["n_layers"] = 3
     manifest_path.write_text(json.dumps(manifest))
-    with pytest.raises(CheckpointError, match=r"n_layers: 3 there, 2 here.*model\.n_layers=3"):
+    other = r"checkpoint .*step_1 holds a different model \(n_layers: 3 there, 2 here\).*model\.n_layers=3"
+    with pytest.raises(CheckpointError, match=other):
         Run(tmp_path).ckpt.restore()
 
 
@@ -303,6 +304,26 @@ def test_a_loader_state_that_is_not_json_is_a_one_line_save_error(tmp_path):
     with pytest.raises(CheckpointError, match=not_json):
         run.ckpt.save(1)
     assert list((tmp_path / "checkpoints").iterdir()) == []
+
+
+def test_resume_restores_the_rng_and_starts_a_loader_without_saved_state_over(tmp_path):
+    run = Run(tmp_path)
+    run.step()
+    step_1 = run.ckpt.save(1)
+    state = json.loads((step_1 / "rank_00000.json").read_text())
+    del state["loaders"]["val"]  # as if the run had no validation data when it saved
+    manifest = json.loads((step_1 / "checkpoint.json").read_text())
+    manifest["files"]["rank_00000.json"] = checkpoint_files.write_json(step_1 / "rank_00000.json", state)
+    (step_1 / "checkpoint.json").write_text(json.dumps(manifest))
+    resumed = Run(tmp_path)
+    resumed.loaders["val"].offset = 3
+    assert resumed.ckpt.restore() == 1
+    assert torch.get_rng_state().tolist() == state["rng"]["torch"]
+    assert (resumed.loaders["train"].offset, resumed.loaders["val"].offset) == (1, 3)
+    assert resumed.logs[-2:] == [
+        f"warning: {step_1} has no state for the val data; it starts from its beginning",
+        f"resumed from {step_1} at step 1",
+    ]
 
 
 def _as_if_saved_by_two_ranks(step_dir: Path, val_offsets: tuple[int, int], same_rng: bool) -> dict:

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -73,8 +74,47 @@ def test_version_1_checkpoints_without_checksums_still_resume_with_a_warning(tmp
     manifest["files"] = {name: record["bytes"] for name, record in manifest["files"].items()}
     manifest_path.write_text(json.dumps(manifest))
     resumed = Run(tmp_path)
-    assert resumed.ckpt.restore() == 1
-    assert any("without checksums" in line and "cannot be verified" in line for line in resumed.logs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once, in the run's log, not also as a Python warning
+        assert resumed.ckpt.restore() == 1
+    assert sum("without checksums" in line and "cannot be verified" in line for line in resumed.logs) == 1
+
+
+def _files_ending(manifest, suffix):
+    return {name: record for name, record in manifest["files"].items() if name.endswith(suffix)}
+
+
+MANIFEST_FAULTS = {
+    "a list": (lambda m: [m], "checkpoint.json is not a codatrain-checkpoint version 2 manifest"),
+    "another format": (lambda m: m | {"format": "other"},
+                       "checkpoint.json is not a codatrain-checkpoint version 2 manifest"),
+    "a future version": (lambda m: m | {"version": 3},
+                         "checkpoint.json is not a codatrain-checkpoint version 2 manifest"),
+    "no schedule or files": (lambda m: {k: v for k, v in m.items() if k not in ("scheduler", "files")},
+                             "checkpoint.json lacks scheduler, files"),
+    "no rank file": (lambda m: m | {"files": _files_ending(m, ".safetensors")},
+                     "checkpoint.json does not list every rank's files"),
+    "no tensor file": (lambda m: m | {"files": _files_ending(m, ".json")},
+                       "checkpoint.json does not list every rank's files"),
+}
+
+
+@pytest.mark.parametrize("fault", MANIFEST_FAULTS)
+def test_manifests_that_do_not_describe_a_whole_checkpoint_are_refused(tmp_path, fault):
+    saved_run(tmp_path, steps=(1,))
+    step_1 = tmp_path / "checkpoints/step_1"
+    change, message = MANIFEST_FAULTS[fault]
+    manifest = json.loads((step_1 / "checkpoint.json").read_text())
+    (step_1 / "checkpoint.json").write_text(json.dumps(change(manifest)))
+    with pytest.raises(CheckpointError) as error:
+        inspect_checkpoint(step_1)
+    assert str(error.value) == f"{step_1}: {message}"
+
+
+def test_a_missing_checkpoint_folder_is_named(tmp_path):
+    with pytest.raises(CheckpointError) as error:
+        inspect_checkpoint(tmp_path / "step_9")
+    assert str(error.value) == f"{tmp_path / 'step_9'}: no such checkpoint directory"
 
 
 def test_saving_hashes_while_writing_and_records_every_file(tmp_path):
