@@ -238,6 +238,19 @@ def test_interrupted_save_is_ignored_and_cleaned_up(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1", "step_2"]
 
 
+def test_saving_a_step_again_replaces_its_checkpoint(tmp_path):
+    run = Run(tmp_path)
+    run.step()
+    run.ckpt.save(1)
+    run.step()
+    run.ckpt.save(1)  # the same step again: the new checkpoint takes the old one's place
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]
+    resumed = Run(tmp_path)
+    assert resumed.ckpt.restore() == 1
+    assert resumed.loaders["train"].offset == 2  # the second save's state
+    assert_same(resumed.canonical(), run.canonical())
+
+
 def test_keep_last_prunes_older_checkpoints(tmp_path):
     run = Run(tmp_path, keep_last=2)
     for step in range(1, 5):

@@ -49,8 +49,10 @@ def test_flipped_bits_are_refused_by_export_and_init_from(tmp_path):
     assert_same(fresh.model.state_dict(), run.model.state_dict())
 
     flip_bytes(shard(step_1))
-    with pytest.raises(CheckpointError, match="step_1: shard-.* is corrupted .*checksum"):
+    with pytest.raises(CheckpointError) as error:
         export_checkpoint_to_hf(step_1, tmp_path / "hf")
+    assert str(error.value) == (f"{step_1}: {shard(step_1).name} is corrupted (its blake2b checksum differs "
+                                "from the one recorded when it was written)")
     with pytest.raises(CheckpointError, match="step_1: shard-.* is corrupted .*checksum"):
         Run(tmp_path / "ft2", init_from=str(step_1)).ckpt.restore()
 
@@ -82,6 +84,34 @@ def test_version_1_checkpoints_without_checksums_still_resume_with_a_warning(tmp
 
 def _files_ending(manifest, suffix):
     return {name: record for name, record in manifest["files"].items() if name.endswith(suffix)}
+
+
+def test_version_1_checkpoints_inspected_without_a_log_give_a_python_warning(tmp_path):
+    saved_run(tmp_path, steps=(1,))
+    step_1 = tmp_path / "checkpoints/step_1"
+    manifest = json.loads((step_1 / "checkpoint.json").read_text())
+    manifest["version"] = 1
+    manifest["files"] = {name: record["bytes"] for name, record in manifest["files"].items()}
+    (step_1 / "checkpoint.json").write_text(json.dumps(manifest))
+    with pytest.warns(UserWarning) as record:
+        inspect_checkpoint(step_1)
+    assert [str(w.message) for w in record] == [
+        f"{step_1} was written without checksums (a version 1 checkpoint): it cannot be verified"
+    ]
+    assert record[0].filename == __file__  # it points at the caller
+
+
+@pytest.mark.parametrize("name", ["shard", "rank_00000.json"])
+def test_unparsable_files_are_found_without_checksums(tmp_path, name):
+    """inspect_checkpoint(verify=False), which resuming uses after the choice, still parses every
+    safetensors header and JSON file."""
+    saved_run(tmp_path, steps=(1,))
+    step_1 = tmp_path / "checkpoints/step_1"
+    path = shard(step_1) if name == "shard" else step_1 / name
+    with open(path, "r+b") as f:
+        f.write(b"\xff" * 16)
+    with pytest.raises(CheckpointError, match=rf"step_1: {path.name} is corrupted \((?!its blake2b)"):
+        inspect_checkpoint(step_1, verify=False)
 
 
 MANIFEST_FAULTS = {
