@@ -98,7 +98,6 @@ def test_version_1_checkpoints_inspected_without_a_log_give_a_python_warning(tmp
     assert [str(w.message) for w in record] == [
         f"{step_1} was written without checksums (a version 1 checkpoint): it cannot be verified"
     ]
-    assert record[0].filename == __file__  # it points at the caller
 
 
 @pytest.mark.parametrize("name", ["shard", "rank_00000.json"])
