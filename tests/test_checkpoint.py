@@ -322,6 +322,7 @@ def test_a_loader_state_that_is_not_json_is_a_one_line_save_error(tmp_path):
 def test_resume_restores_the_rng_and_starts_a_loader_without_saved_state_over(tmp_path):
     run = Run(tmp_path)
     run.step()
+    torch.rand(1)  # the RNG state saved is not the one a fresh Run starts from
     step_1 = run.ckpt.save(1)
     state = json.loads((step_1 / "rank_00000.json").read_text())
     del state["loaders"]["val"]  # as if the run had no validation data when it saved
@@ -365,6 +366,7 @@ def test_resuming_two_ranks_state_on_one_keeps_what_was_the_same_on_every_rank(t
     continue; the validation loader's per-rank state cannot move to 1 process: it starts over."""
     run = Run(tmp_path)
     run.step()
+    torch.rand(1)  # the RNG state saved is not the one a fresh Run starts from
     saved = _as_if_saved_by_two_ranks(run.ckpt.save(1), val_offsets=(5, 5), same_rng=same_rng)
     torch.manual_seed(1234)
     before = torch.get_rng_state()
