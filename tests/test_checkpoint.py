@@ -238,6 +238,19 @@ def test_interrupted_save_is_ignored_and_cleaned_up(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1", "step_2"]
 
 
+def test_saving_a_step_again_replaces_its_checkpoint(tmp_path):
+    run = Run(tmp_path)
+    run.step()
+    run.ckpt.save(1)
+    run.step()
+    run.ckpt.save(1)  # the same step again: the new checkpoint takes the old one's place
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]
+    resumed = Run(tmp_path)
+    assert resumed.ckpt.restore() == 1
+    assert resumed.loaders["train"].offset == 2  # the second save's state
+    assert_same(resumed.canonical(), run.canonical())
+
+
 def test_keep_last_prunes_older_checkpoints(tmp_path):
     run = Run(tmp_path, keep_last=2)
     for step in range(1, 5):
@@ -262,8 +275,112 @@ def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
     manifest = json.loads(manifest_path.read_text())
     manifest["model_config"]["n_layers"] = 3
     manifest_path.write_text(json.dumps(manifest))
-    with pytest.raises(CheckpointError, match=r"n_layers: 3 there, 2 here.*model\.n_layers=3"):
+    other = r"checkpoint .*step_1 holds a different model \(n_layers: 3 there, 2 here\).*model\.n_layers=3"
+    with pytest.raises(CheckpointError, match=other):
         Run(tmp_path).ckpt.restore()
+
+
+def test_init_from_a_checkpoint_of_another_model_names_it(tmp_path):
+    step_1 = Run(tmp_path / "a").ckpt.save(1)
+    wider = CFG.replace(ffn_dim=2 * CFG.ffn_dim)
+    model = Llama(wider)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    ckpt = Checkpointer(CheckpointConfig(init_from=str(step_1)), tmp_path / "b", wider, model, optimizer,
+                        scheduler, {}, print)
+    with pytest.raises(CheckpointError) as error:
+        ckpt.restore()
+    assert str(error.value) == (
+        f"checkpoint {step_1} holds a different model (ffn_dim: 384 there, 768 here); to match it, set "
+        "model.ffn_dim=384"
+    )
+
+
+def test_a_checkpoint_with_another_number_of_parameter_groups_is_a_clear_error(tmp_path):
+    step_1 = Run(tmp_path / "a").ckpt.save(1)
+    model = Llama(CFG)
+    decay = [p for p in model.parameters() if p.ndim == 2]
+    no_decay = [p for p in model.parameters() if p.ndim != 2]
+    optimizer = torch.optim.AdamW([{"params": decay}, {"params": no_decay, "weight_decay": 0.0}])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    ckpt = Checkpointer(CheckpointConfig(resume=str(step_1)), tmp_path / "b", CFG, model, optimizer,
+                        scheduler, {}, print)
+    with pytest.raises(CheckpointError) as error:
+        ckpt.restore()
+    assert str(error.value) == f"{step_1}: the optimizer has 2 parameter groups, the checkpoint 1"
+
+
+def test_a_loader_state_that_is_not_json_is_a_one_line_save_error(tmp_path):
+    run = Run(tmp_path)
+    run.loaders["train"].offset = {1, 2}  # a set: not JSON-serializable
+    not_json = r"\(TypeError: the data-loader state must be JSON-serializable: Object of type set is not JSON"
+    with pytest.raises(CheckpointError, match=not_json):
+        run.ckpt.save(1)
+    assert list((tmp_path / "checkpoints").iterdir()) == []
+
+
+def test_resume_restores_the_rng_and_starts_a_loader_without_saved_state_over(tmp_path):
+    run = Run(tmp_path)
+    run.step()
+    torch.rand(1)  # the RNG state saved is not the one a fresh Run starts from
+    step_1 = run.ckpt.save(1)
+    state = json.loads((step_1 / "rank_00000.json").read_text())
+    del state["loaders"]["val"]  # as if the run had no validation data when it saved
+    manifest = json.loads((step_1 / "checkpoint.json").read_text())
+    manifest["files"]["rank_00000.json"] = checkpoint_files.write_json(step_1 / "rank_00000.json", state)
+    (step_1 / "checkpoint.json").write_text(json.dumps(manifest))
+    resumed = Run(tmp_path)
+    resumed.loaders["val"].offset = 3
+    assert resumed.ckpt.restore() == 1
+    assert torch.get_rng_state().tolist() == state["rng"]["torch"]
+    assert (resumed.loaders["train"].offset, resumed.loaders["val"].offset) == (1, 3)
+    assert resumed.logs[-2:] == [
+        f"warning: {step_1} has no state for the val data; it starts from its beginning",
+        f"resumed from {step_1} at step 1",
+    ]
+
+
+def _as_if_saved_by_two_ranks(step_dir: Path, val_offsets: tuple[int, int], same_rng: bool) -> dict:
+    """Turn a 1-process checkpoint into what 2 ranks write: a rank_00001.json beside rank_00000.json
+    (the same training-loader state; the validation loader's `rank` differs), both listed in the
+    manifest with their checksums. Returns rank 0's state."""
+    states = []
+    for rank, offset in enumerate(val_offsets):
+        state = json.loads((step_dir / "rank_00000.json").read_text())
+        state["loaders"]["val"] = {"offset": offset, "rank": rank}
+        if rank == 1 and not same_rng:
+            state["rng"]["torch"] = torch.Generator().manual_seed(99).get_state().tolist()
+        states.append(state)
+    manifest = json.loads((step_dir / "checkpoint.json").read_text())
+    for rank, state in enumerate(states):
+        manifest["files"][f"rank_{rank:05d}.json"] = checkpoint_files.write_json(
+            step_dir / f"rank_{rank:05d}.json", state)
+    manifest["world_size"] = 2
+    (step_dir / "checkpoint.json").write_text(json.dumps(manifest))
+    return states[0]
+
+
+@pytest.mark.parametrize("same_rng", [True, False], ids=["same_rng", "rng_per_rank"])
+def test_resuming_two_ranks_state_on_one_keeps_what_was_the_same_on_every_rank(tmp_path, same_rng):
+    """The training loader (the same state on both ranks) and an RNG state shared by the ranks
+    continue; the validation loader's per-rank state cannot move to 1 process: it starts over."""
+    run = Run(tmp_path)
+    run.step()
+    torch.rand(1)  # the RNG state saved is not the one a fresh Run starts from
+    saved = _as_if_saved_by_two_ranks(run.ckpt.save(1), val_offsets=(5, 5), same_rng=same_rng)
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
+    resumed = Run(tmp_path)  # seeds torch with 0
+    rng_of_run = torch.get_rng_state()
+    assert resumed.ckpt.restore() == 1
+    assert (resumed.loaders["train"].offset, resumed.loaders["val"].offset) == (1, 0)
+    assert resumed.logs.count("warning: the val data state differs per rank and cannot move from 2 to 1 "
+                              "processes; that loader starts from its beginning") == 1
+    restored = torch.get_rng_state()
+    if same_rng:
+        assert restored.tolist() == saved["rng"]["torch"]
+    else:
+        assert torch.equal(restored, rng_of_run) and not torch.equal(restored, before)
 
 
 # ---- 2 processes (FSDP2, gloo) -> 1 ---------------------------------------------------------------

@@ -55,6 +55,79 @@ def test_config_round_trip():
     assert config_from_hf(legacy) == CFG
 
 
+def test_config_json_describes_a_plain_untied_llama_in_the_export_dtype():
+    """Every key of the exported config.json: readers other than transformers (vLLM, llama.cpp's
+    converter) take these as written rather than with transformers' defaults."""
+    assert config_to_hf(CFG, torch.bfloat16) == {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+        "intermediate_size": 384, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 32, "vocab_size": 301, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5,
+        "rope_theta": 5000.0, "rope_parameters": {"rope_type": "default", "rope_theta": 5000.0},
+        "rope_scaling": None,
+        "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
+        "tie_word_embeddings": False, "initializer_range": 0.02, "torch_dtype": "bfloat16",
+    }
+    assert config_to_hf(CFG)["torch_dtype"] == "float32"
+
+
+def test_config_round_trip_keeps_init_std_and_context_length():
+    cfg = CFG.replace(init_std=0.01, max_seq_len=512)  # neither the defaults of ours nor of HF
+    assert config_from_hf(config_to_hf(cfg)) == cfg
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "yarn", "factor": 4.0, "rope_theta": 500000.0},
+    {"type": "dynamic", "factor": 2.0},
+])
+@pytest.mark.parametrize("spelling", ["rope_parameters", "rope_scaling"])  # transformers 5, 4
+def test_unsupported_rope_scaling_is_rejected(rope, spelling):
+    hf_cfg = {k: v for k, v in config_to_hf(CFG).items() if k != "rope_parameters"} | {spelling: rope}
+    with pytest.raises(ValueError, match="RoPE scaling type .* is not supported"):
+        config_from_hf(hf_cfg)
+
+
+def test_every_unsupported_setting_is_named_in_one_error():
+    hf_cfg = config_to_hf(CFG) | {
+        "rope_parameters": {"rope_type": "yarn", "factor": 2.0}, "hidden_act": "gelu",
+        "attention_bias": True, "mlp_bias": True, "head_dim": 64,
+    }
+    with pytest.raises(ValueError) as error:
+        config_from_hf(hf_cfg)
+    assert str(error.value) == (
+        "unsupported Hugging Face Llama config: RoPE scaling type 'yarn' is not supported (codatrain "
+        "implements default, linear, llama3); hidden_act='gelu' is not supported (only "
+        "'silu'); attention_bias=true is not supported (codatrain's projections have no bias); "
+        "mlp_bias=true is not supported (codatrain's projections have no bias); head_dim=64 × "
+        "num_attention_heads=4 != hidden_size=128 (codatrain requires head_dim = hidden_size / "
+        "num_attention_heads)"
+    )
+
+
+def test_mlp_bias_alone_is_rejected():
+    with pytest.raises(ValueError, match="mlp_bias=true is not supported"):
+        config_from_hf(config_to_hf(CFG) | {"mlp_bias": True})
+
+
+def test_hidden_size_not_divisible_by_the_heads_is_rejected():
+    """Without head_dim, head_dim is hidden_size // heads: 130 // 4 = 32 does not make 130."""
+    with pytest.raises(ValueError, match=r"head_dim=32 × num_attention_heads=4 != hidden_size=130"):
+        config_from_hf({k: v for k, v in config_to_hf(CFG).items() if k != "head_dim"} | {"hidden_size": 130})
+
+
+def test_model_type_other_than_llama_is_rejected_and_a_missing_one_is_llama():
+    with pytest.raises(ValueError) as error:
+        config_from_hf(config_to_hf(CFG) | {"model_type": "mistral"})
+    assert str(error.value) == "config.json has model_type='mistral'; only 'llama' checkpoints can be loaded"
+    assert config_from_hf({k: v for k, v in config_to_hf(CFG).items() if k != "model_type"}) == CFG
+
+
+def test_missing_required_keys_are_named():
+    hf_cfg = {k: v for k, v in config_to_hf(CFG).items() if k not in ("vocab_size", "num_hidden_layers")}
+    with pytest.raises(ValueError) as error:
+        config_from_hf(hf_cfg)
+    assert str(error.value) == "config.json lacks num_hidden_layers, vocab_size"
+
+
 def test_export_gives_transformers_the_same_logits(tmp_path):
     model = ours()
     save_hf(tmp_path, CFG, model.state_dict().items())
@@ -87,6 +160,43 @@ def test_sharded_export_keeps_shards_under_the_limit_and_indexes_them(tmp_path, 
     assert index["weight_map"] == shard_of
     assert index["metadata"]["total_size"] == total
     assert_same_logits(model, LlamaForCausalLM.from_pretrained(tmp_path).eval())
+    imported = ours(seed=5)  # and codatrain reads the shards back through the index
+    load_hf_weights(imported, tmp_path, CFG, print)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in imported.state_dict().items())
+
+
+def test_shards_fill_up_to_exactly_the_limit_in_a_new_folder(tmp_path):
+    """Tensors of 100 bytes under a 200-byte limit: two per shard; each file says it holds torch
+    tensors (`format: pt`, which transformers checks); the folder and its parents are created."""
+    out = tmp_path / "new" / "hf"
+    save_hf(out, CFG, [(f"w{i}", torch.full((25,), float(i))) for i in range(5)], max_shard_bytes=200)
+    index = json.loads((out / INDEX_NAME).read_text())
+    shards = [f"model-{i:05d}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert index == {"metadata": {"total_size": 500}, "weight_map": {
+        "model.w0": shards[0], "model.w1": shards[0], "model.w2": shards[1], "model.w3": shards[1],
+        "model.w4": shards[2],
+    }}
+    for shard in shards:
+        with safe_open(out / shard, framework="pt") as f:
+            assert f.metadata() == {"format": "pt"}
+            assert all(torch.equal(f.get_tensor(k), torch.full((25,), float(k[-1]))) for k in f.keys())
+
+
+def test_a_new_export_over_an_old_one_leaves_no_stale_files(tmp_path):
+    """3 shards, then 2 (still with an index), then 1 file, then no tensors at all (an empty
+    model.safetensors): only the newest export's files are left."""
+    tensors = [(f"w{i}", torch.full((25,), float(i))) for i in range(5)]  # 100 bytes each
+    for n_tensors, expected in ((5, 3), (4, 2), (2, 1), (0, 1)):
+        save_hf(tmp_path, CFG, tensors[:n_tensors], max_shard_bytes=200)
+        files = sorted(p.name for p in tmp_path.iterdir())
+        if expected == 1:
+            shards = ["model.safetensors"]
+            assert files == ["config.json", *shards]
+        else:
+            shards = [f"model-{i:05d}-of-{expected:05d}.safetensors" for i in range(1, expected + 1)]
+            assert files == sorted(["config.json", INDEX_NAME, *shards])
+        with safe_open(tmp_path / shards[-1], framework="pt") as f:
+            assert len(f.keys()) == n_tensors - 2 * (expected - 1)
 
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
@@ -201,12 +311,68 @@ def test_unexpected_tensors_are_named_and_rotary_buffers_ignored(tmp_path):
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nothing loaded
 
 
+def test_long_lists_of_problems_are_cut_with_a_count_of_the_rest(tmp_path):
+    """At most 8 unexpected tensors and 12 problems are named, then how many more there are."""
+    state = {k: v.contiguous() for k, v in random_hf_model().state_dict().items()}
+    for n_extra, named in ((8, ""), (9, ", and 1 more")):
+        file = tmp_path / f"extra_{n_extra}.safetensors"
+        save_file(state | {f"model.extra_{i}": torch.zeros(1) for i in range(n_extra)}, file)
+        with pytest.raises(ValueError) as error:
+            load_hf_weights(ours(), file, CFG, print)
+        extras = ", ".join(f"model.extra_{i}" for i in range(8))
+        assert str(error.value) == f"{file} does not fit the model: unexpected tensors {extras}{named}"
+    deeper = CFG.replace(n_layers=4)  # 2 layers of 9 tensors missing and the extras: 19 problems
+    with pytest.raises(ValueError) as error:
+        load_hf_weights(ours(deeper), tmp_path / "extra_8.safetensors", deeper, print)
+    problems = str(error.value).split(": ", 1)[1].split("; ")
+    assert len(problems) == 13 and problems[-1] == "and 7 more", problems
+    assert all(p.startswith("missing model.layers.") for p in problems[:12])
+
+
 def test_pickle_checkpoints_are_refused(tmp_path):
     torch.save({"w": torch.zeros(1)}, tmp_path / "pytorch_model.bin")
-    with pytest.raises(FileNotFoundError, match="pickle formats are not loaded"):
+    torch.save({"w": torch.zeros(1)}, tmp_path / "consolidated.00.pth")
+    with pytest.raises(FileNotFoundError) as error:
         load_hf_weights(ours(), tmp_path, CFG, print)
+    assert str(error.value) == (
+        f"{tmp_path}: no model.safetensors or model.safetensors.index.json (found pytorch_model.bin, "
+        "consolidated.00.pth: pickle formats are not loaded, convert to safetensors)"
+    )
     with pytest.raises(ValueError, match="only .safetensors"):
         load_hf_weights(ours(), tmp_path / "pytorch_model.bin", CFG, print)
+
+
+def test_missing_weights_are_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError) as error:
+        load_hf_weights(ours(), tmp_path / "nowhere", CFG, print)
+    assert str(error.value) == f"{tmp_path / 'nowhere'}: no such file or directory"
+    with pytest.raises(FileNotFoundError) as error:  # a folder without weights (and no pickle files)
+        load_hf_weights(ours(), tmp_path, CFG, print)
+    assert str(error.value) == f"{tmp_path}: no model.safetensors or model.safetensors.index.json"
+    save_hf(tmp_path / "hf", CFG, ours().state_dict().items(), max_shard_bytes=200_000)
+    shards = sorted((tmp_path / "hf").glob("model-*.safetensors"))
+    for shard in shards[1:]:
+        shard.unlink()
+    with pytest.raises(FileNotFoundError) as error:
+        load_hf_weights(ours(), tmp_path / "hf", CFG, print)
+    assert str(error.value) == (
+        f"{tmp_path / 'hf'}: the index lists missing files: {', '.join(str(s) for s in shards[1:])}"
+    )
+
+
+def test_tied_checkpoints_are_checked_like_untied_ones(tmp_path):
+    """Only lm_head.weight may be absent when the embeddings are tied: every other tensor is checked."""
+    random_hf_model(tie=True).save_pretrained(tmp_path)
+    with safe_open(tmp_path / "model.safetensors", framework="pt") as f:
+        state = {k: f.get_tensor(k) for k in f.keys() if k != "model.layers.1.mlp.down_proj.weight"}
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError) as error:
+        tied = CFG.replace(tie_embeddings=True)
+        load_hf_weights(ours(tied), tmp_path, tied, print)
+    assert str(error.value) == (
+        f"{tmp_path} does not fit the model: missing model.layers.1.mlp.down_proj.weight "
+        "(expected shape [128, 384])"
+    )
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path):

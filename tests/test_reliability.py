@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -48,8 +49,10 @@ def test_flipped_bits_are_refused_by_export_and_init_from(tmp_path):
     assert_same(fresh.model.state_dict(), run.model.state_dict())
 
     flip_bytes(shard(step_1))
-    with pytest.raises(CheckpointError, match="step_1: shard-.* is corrupted .*checksum"):
+    with pytest.raises(CheckpointError) as error:
         export_checkpoint_to_hf(step_1, tmp_path / "hf")
+    assert str(error.value) == (f"{step_1}: {shard(step_1).name} is corrupted (its blake2b checksum differs "
+                                "from the one recorded when it was written)")
     with pytest.raises(CheckpointError, match="step_1: shard-.* is corrupted .*checksum"):
         Run(tmp_path / "ft2", init_from=str(step_1)).ckpt.restore()
 
@@ -73,8 +76,74 @@ def test_version_1_checkpoints_without_checksums_still_resume_with_a_warning(tmp
     manifest["files"] = {name: record["bytes"] for name, record in manifest["files"].items()}
     manifest_path.write_text(json.dumps(manifest))
     resumed = Run(tmp_path)
-    assert resumed.ckpt.restore() == 1
-    assert any("without checksums" in line and "cannot be verified" in line for line in resumed.logs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once, in the run's log, not also as a Python warning
+        assert resumed.ckpt.restore() == 1
+    assert sum("without checksums" in line and "cannot be verified" in line for line in resumed.logs) == 1
+
+
+def _files_ending(manifest, suffix):
+    return {name: record for name, record in manifest["files"].items() if name.endswith(suffix)}
+
+
+def test_version_1_checkpoints_inspected_without_a_log_give_a_python_warning(tmp_path):
+    saved_run(tmp_path, steps=(1,))
+    step_1 = tmp_path / "checkpoints/step_1"
+    manifest = json.loads((step_1 / "checkpoint.json").read_text())
+    manifest["version"] = 1
+    manifest["files"] = {name: record["bytes"] for name, record in manifest["files"].items()}
+    (step_1 / "checkpoint.json").write_text(json.dumps(manifest))
+    with pytest.warns(UserWarning) as record:
+        inspect_checkpoint(step_1)
+    assert [str(w.message) for w in record] == [
+        f"{step_1} was written without checksums (a version 1 checkpoint): it cannot be verified"
+    ]
+
+
+@pytest.mark.parametrize("name", ["shard", "rank_00000.json"])
+def test_unparsable_files_are_found_without_checksums(tmp_path, name):
+    """inspect_checkpoint(verify=False), which resuming uses after the choice, still parses every
+    safetensors header and JSON file."""
+    saved_run(tmp_path, steps=(1,))
+    step_1 = tmp_path / "checkpoints/step_1"
+    path = shard(step_1) if name == "shard" else step_1 / name
+    with open(path, "r+b") as f:
+        f.write(b"\xff" * 16)
+    with pytest.raises(CheckpointError, match=rf"step_1: {path.name} is corrupted \((?!its blake2b)"):
+        inspect_checkpoint(step_1, verify=False)
+
+
+MANIFEST_FAULTS = {
+    "a list": (lambda m: [m], "checkpoint.json is not a codatrain-checkpoint version 2 manifest"),
+    "another format": (lambda m: m | {"format": "other"},
+                       "checkpoint.json is not a codatrain-checkpoint version 2 manifest"),
+    "a future version": (lambda m: m | {"version": 3},
+                         "checkpoint.json is not a codatrain-checkpoint version 2 manifest"),
+    "no schedule or files": (lambda m: {k: v for k, v in m.items() if k not in ("scheduler", "files")},
+                             "checkpoint.json lacks scheduler, files"),
+    "no rank file": (lambda m: m | {"files": _files_ending(m, ".safetensors")},
+                     "checkpoint.json does not list every rank's files"),
+    "no tensor file": (lambda m: m | {"files": _files_ending(m, ".json")},
+                       "checkpoint.json does not list every rank's files"),
+}
+
+
+@pytest.mark.parametrize("fault", MANIFEST_FAULTS)
+def test_manifests_that_do_not_describe_a_whole_checkpoint_are_refused(tmp_path, fault):
+    saved_run(tmp_path, steps=(1,))
+    step_1 = tmp_path / "checkpoints/step_1"
+    change, message = MANIFEST_FAULTS[fault]
+    manifest = json.loads((step_1 / "checkpoint.json").read_text())
+    (step_1 / "checkpoint.json").write_text(json.dumps(change(manifest)))
+    with pytest.raises(CheckpointError) as error:
+        inspect_checkpoint(step_1)
+    assert str(error.value) == f"{step_1}: {message}"
+
+
+def test_a_missing_checkpoint_folder_is_named(tmp_path):
+    with pytest.raises(CheckpointError) as error:
+        inspect_checkpoint(tmp_path / "step_9")
+    assert str(error.value) == f"{tmp_path / 'step_9'}: no such checkpoint directory"
 
 
 def test_saving_hashes_while_writing_and_records_every_file(tmp_path):
@@ -126,6 +195,16 @@ def test_resume_auto_with_only_broken_checkpoints_fails_naming_them(tmp_path):
     assert "no usable checkpoint" in message and "step_1" in message and "step_2" in message
     assert "checkpoint.resume=<path>" in message and "train.run_dir" in message
     assert "\n" not in message
+    broken = []  # newest first, each as inspecting it alone says
+    for step in (2, 1):
+        with pytest.raises(CheckpointError) as one:
+            inspect_checkpoint(tmp_path / f"checkpoints/step_{step}")
+        broken.append(str(one.value))
+    assert message == (
+        f"checkpoint.resume=auto found no usable checkpoint in {tmp_path / 'checkpoints'}: "
+        f"{'; '.join(broken)}. Resume one by name with checkpoint.resume=<path>, or start a new run with "
+        "another train.run_dir"
+    )
 
 
 # ---- D6: file-system faults ----------------------------------------------------------------------------
@@ -143,7 +222,7 @@ def test_disk_full_during_a_save_removes_the_partial_folder_and_keeps_the_last_c
         with pytest.raises(CheckpointError) as error:
             run.ckpt.save(2)
     message = str(error.value)
-    assert "step_2 failed" in message and "No space left on device" in message
+    assert "step_2 failed (OSError on rank 0: [Errno 28] No space left on device)" in message
     assert "removed the partial .tmp-step_2" in message and "\n" not in message
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_1"]
     assert Run(tmp_path).ckpt.restore() == 1
