@@ -381,13 +381,41 @@ def peak_gib(fn: Callable, device: torch.device) -> float:
     return (torch.cuda.max_memory_allocated(device) - before) / 2**30
 
 
+LAYER_STAGES = ["F1", "F2", "F3", "F4", "Bdswiglu", "Brms_gu", "Brms_qkv"]
+
+
+def stage_gemms(s: StageBackend, x: Inputs) -> dict[str, tuple]:
+    """Per cute GEMM stage: its key in configs.py, the stage call, and the operands A, B of its GEMM
+    (A @ B is the same GEMM in cuBLAS) with C, the M × N tensor its epilogue reads besides the
+    accumulator (the residual, or the residual's gradient), or None."""
+    norm_bwd = (x.x, x.gamma, x.rstd, x.zdz, x.x)  # the norm's input, γ, rstd, zdz, residual grad
+    return {
+        "F1": ("residual_rms", lambda: s.gemm_residual_rms(x.attn_out, x.w_o, x.x, x.gamma),
+               x.attn_out, x.w_o.t(), x.x),
+        "F3": ("residual_rms", lambda: s.gemm_residual_rms(x.y, x.w_down, x.x, x.gamma),
+               x.y, x.w_down.t(), x.x),
+        "F2": ("rstd_swiglu", lambda: s.gemm_rstd_swiglu(x.h, x.w_gu, x.rstd), x.h, x.w_gu.t(), None),
+        "F4": ("rstd_rope", lambda: s.gemm_rstd_rope(x.h, x.w_qkv, x.rstd, x.positions, **x.rope),
+               x.h, x.w_qkv.t(), None),
+        "LM": ("rstd_lse", lambda: s.gemm_rstd_lse(x.h, x.w_head, x.rstd, x.tokens), x.h, x.w_head.t(), None),
+        "Bdswiglu": ("dswiglu", lambda: s.gemm_dswiglu(x.x, x.w_down, x.preact), x.x, x.w_down, None),
+        "Brms_gu": ("rms_bwd", lambda: s.gemm_rms_bwd(x.preact, x.w_gu, *norm_bwd), x.preact, x.w_gu, x.x),
+        "Brms_qkv": ("rms_bwd", lambda: s.gemm_rms_bwd(x.dqkv, x.w_qkv, *norm_bwd), x.dqkv, x.w_qkv, x.x),
+    }
+
+
+def checked_stages(calls: dict, stages: list[str], flag: str) -> list[str]:
+    unknown = [stage for stage in stages if stage not in calls]
+    if unknown:
+        raise SystemExit(f"{flag}: unknown stage(s) {unknown}; known: {' '.join(calls)}")
+    return stages
+
+
 def sweep(x: Inputs, device: torch.device, stages: list[str], warmup: int, iters: int) -> list[dict]:
     """Time cute GEMM stages under candidate tile configs (the winners go into
     codatrain/kernels/cute/configs.py), each next to the same GEMM alone in cuBLAS."""
     from codatrain.kernels.cute import configs
 
-    s = get_backend("cute", device)
-    norm_bwd = (x.x, x.gamma, x.rstd, x.zdz, x.x)  # the norm's input, γ, rstd, zdz, residual grad
     cfg = configs.sm90_config
     candidates = {
         "128x192 pingpong c2x1": cfg(128, 192, pingpong=True, cluster_m=2, cluster_n=1),
@@ -398,32 +426,12 @@ def sweep(x: Inputs, device: torch.device, stages: list[str], warmup: int, iters
         "256x128 coop c1x2": cfg(256, 128, pingpong=False, cluster_m=1, cluster_n=2),
         "256x128 coop c2x1": cfg(256, 128, pingpong=False, cluster_m=2, cluster_n=1),
     }
-    calls = {  # stage: (its key in configs.py, call, the same GEMM in cuBLAS)
-        "F1": ("residual_rms", lambda: s.gemm_residual_rms(x.attn_out, x.w_o, x.x, x.gamma),
-               lambda: torch.mm(x.attn_out, x.w_o.t())),
-        "F3": ("residual_rms", lambda: s.gemm_residual_rms(x.y, x.w_down, x.x, x.gamma),
-               lambda: torch.mm(x.y, x.w_down.t())),
-        "F2": ("rstd_swiglu", lambda: s.gemm_rstd_swiglu(x.h, x.w_gu, x.rstd),
-               lambda: torch.mm(x.h, x.w_gu.t())),
-        "F4": ("rstd_rope", lambda: s.gemm_rstd_rope(x.h, x.w_qkv, x.rstd, x.positions, **x.rope),
-               lambda: torch.mm(x.h, x.w_qkv.t())),
-        "LM": ("rstd_lse", lambda: s.gemm_rstd_lse(x.h, x.w_head, x.rstd, x.tokens),
-               lambda: torch.mm(x.h, x.w_head.t())),
-        "Bdswiglu": ("dswiglu", lambda: s.gemm_dswiglu(x.x, x.w_down, x.preact),
-                     lambda: torch.mm(x.x, x.w_down)),
-        "Brms_gu": ("rms_bwd", lambda: s.gemm_rms_bwd(x.preact, x.w_gu, *norm_bwd),
-                    lambda: torch.mm(x.preact, x.w_gu)),
-        "Brms_qkv": ("rms_bwd", lambda: s.gemm_rms_bwd(x.dqkv, x.w_qkv, *norm_bwd),
-                     lambda: torch.mm(x.dqkv, x.w_qkv)),
-    }
-    unknown = [stage for stage in stages if stage not in calls]
-    if unknown:
-        raise SystemExit(f"--sweep: unknown stage(s) {unknown}; known: {' '.join(calls)}")
+    calls = stage_gemms(get_backend("cute", device), x)
     results = []
-    for stage in stages or list(calls):
-        key, call, cublas = calls[stage]
+    for stage in checked_stages(calls, stages, "--sweep") or list(calls):
+        key, call, a, b, _ = calls[stage]
         chosen = configs.gemm_config(key)
-        (ms_cublas,) = median_ms([cublas], device, warmup=warmup, iters=iters)
+        (ms_cublas,) = median_ms([lambda a=a, b=b: torch.mm(a, b)], device, warmup=warmup, iters=iters)
         print(f"sweep {stage:9s} {'cuBLAS GEMM alone':22s} {ms_cublas:8.3f} ms", flush=True)
         results.append({"stage": stage, "config": "cuBLAS GEMM alone", "ms": ms_cublas})
         for label, config in candidates.items():
@@ -437,6 +445,43 @@ def sweep(x: Inputs, device: torch.device, stages: list[str], warmup: int, iters
             print(f"sweep {stage:9s} {label:22s} {ms:8.3f} ms  {ms / ms_cublas:6.3f} x cuBLAS{mark}",
                   flush=True)
             results.append({"stage": stage, "config": label, "ms": ms})
+    return results
+
+
+def ablate(x: Inputs, device: torch.device, stages: list[str], warmup: int, iters: int) -> list[dict]:
+    """Split each stage's cost over cuBLAS into its parts, all at the stage's own tile config and
+    timed interleaved: QuACK's plain GEMM (the mainloop and the bf16 store: what QuACK's kernel
+    costs before any epilogue work), QuACK's GEMM + C (adds the read of the M × N tensor the stage's
+    epilogue loads, for the stages that read one) and the stage itself (adds its epilogue math,
+    its extra outputs and its row reductions)."""
+    from quack.gemm_interface import gemm_tuned
+
+    from codatrain.kernels.cute import configs
+
+    calls = stage_gemms(get_backend("cute", device), x)
+    results = []
+    for stage in checked_stages(calls, stages, "--ablate") or LAYER_STAGES:
+        key, call, a, b, c = calls[stage]
+        config = configs.gemm_config(key)
+        out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=device)
+        fns = {
+            "cuBLAS GEMM": lambda a=a, b=b: torch.mm(a, b),
+            "QuACK GEMM": lambda a=a, b=b, out=out, config=config: gemm_tuned.fn(a, b, out, config=config),
+        }
+        if c is not None:
+            fns["QuACK GEMM + C"] = lambda a=a, b=b, c=c, out=out, config=config: gemm_tuned.fn(
+                a, b, out, c, config=config)
+        fns["stage"] = call
+        try:
+            times = dict(zip(fns, median_ms(list(fns.values()), device, warmup=warmup, iters=iters),
+                             strict=True))
+        except Exception as exc:  # one stage's failure is a result; the others still run
+            print(f"ablate {stage:9s} failed: {type(exc).__name__}: {exc}"[:300], flush=True)
+            continue
+        base = times["cuBLAS GEMM"]
+        print(f"ablate {stage:9s} " + "  ".join(f"{name} {ms:.3f} ms ({ms / base:.3f}x)"
+                                              for name, ms in times.items()), flush=True)
+        results.append({"stage": stage, "config": str(config), **times})
     return results
 
 
@@ -454,11 +499,15 @@ def main() -> None:
     p.add_argument("--sweep", nargs="*", metavar="STAGE",
                    help="time candidate GEMM configs of these cute stages (F1 F2 F3 F4 LM Bdswiglu Brms_gu "
                         "Brms_qkv; none: all)")
-    p.add_argument("--sections", nargs="+", default=["stages", "layer", "fwd_bwd"],
+    p.add_argument("--ablate", nargs="*", metavar="STAGE",
+                   help="split these cute stages' cost over cuBLAS into QuACK's plain GEMM, its GEMM + C "
+                        "and the epilogue, at each stage's own config (none: the layer stages)")
+    p.add_argument("--sections", nargs="*", default=["stages", "layer", "fwd_bwd"],
                    choices=["stages", "layer", "fwd_bwd", "head"],
                    help="stages: every stage alone; layer: attention and the layer forward; "
                         "fwd_bwd: the layer forward + backward against eager, compile and the floor; "
-                        "head: the training LM head forward + backward against its peers and floor")
+                        "head: the training LM head forward + backward against its peers and floor; "
+                        "none: only --sweep / --ablate")
     p.add_argument("--head-chunks", type=int, nargs="+",
                    help="head section: chunk rows to time (default: the backend's head_chunk_rows)")
     p.add_argument("--json", type=Path, help="write the measurements to this file")
@@ -482,6 +531,8 @@ def main() -> None:
     results = {"model": args.model, "tokens": args.tokens, "impl": s.name, "stages": [], "sweep": []}
     if args.sweep is not None:
         results["sweep"] = sweep(x, device, args.sweep, args.warmup, args.iters)
+    if args.ablate is not None:
+        results["ablate"] = ablate(x, device, args.ablate, args.warmup, args.iters)
     rows = []
     if "stages" in args.sections:
         rows += stage_rows(s, ref, x)
