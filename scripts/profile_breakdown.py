@@ -18,7 +18,11 @@ from pathlib import Path
 # First match wins: (family, pattern on the kernel name).
 FAMILIES: tuple[tuple[str, str], ...] = (
     ("attention (FA4 / cuDNN SDPA)", r"flash|cudnn|fmha"),
-    ("LM head, CODA GEMMs", r"quack.*(lse|ce_bwd|rms_bwd_epi|default_epi)"),
+    # The head before issue 16 (LSE, CE-backward, final-norm dgrad and wgrad GEMMs) and after it
+    # (QuACK's RMSNorm, its linear cross-entropy's GEMMs, CE row kernel and Triton glue); the
+    # layers' plain dgrad/wgrad GEMMs run in cuBLAS, so QuACK's default-epilogue GEMM is the head's.
+    ("LM head, CODA", r"quack.*(lse|ce_bwd|rms_bwd_epi|default_epi|scaled_exp|vscale|identity_epi|rmsnorm"
+                      r"|cross_entropy)|^_lce_glue"),
     ("layer GEMM + epilogue, CODA", r"quack"),
     ("GEMM, cuBLAS", r"^nvjet|^sm90_xmma|gemm"),
     ("optimizer + clipping (foreach)", r"multi_tensor"),
@@ -27,7 +31,7 @@ FAMILIES: tuple[tuple[str, str], ...] = (
     ("CODA row-wise kernels", r"codatrain"),
     ("copies, casts, other elementwise", r"."),
 )
-KERNEL = re.compile(r"^(kernel_|nvjet|sm90_|cudnn|void |triton_|Memcpy|Memset|cutlass)")
+KERNEL = re.compile(r"^(kernel_|nvjet|sm90_|cudnn|void |triton_|_lce_glue|Memcpy|Memset|cutlass)")
 
 
 def seconds(text: str) -> float:

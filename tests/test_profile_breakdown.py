@@ -19,7 +19,7 @@ def test_families_of_a_coda_step():
     assert steps == 2
     # The attention row of the summary: the FA4 backward and forward kernels, 2 steps.
     assert families["attention (FA4 / cuDNN SDPA)"] == pytest.approx((192.122 + 77.728 + 4.793 + 4.549) / 2)
-    assert families["LM head, CODA GEMMs"] == pytest.approx(
+    assert families["LM head, CODA"] == pytest.approx(
         (55.814 + 50.111 + 48.221 + 45.893) / 2  # final-norm dgrad, fp32 wgrad, CE backward, LSE
     )
     # Kernels only: the operator rows (aten::mm, the autograd Functions) would count time twice.
