@@ -481,7 +481,7 @@ def ablate(x: Inputs, device: torch.device, stages: list[str], warmup: int, iter
         base = times["cuBLAS GEMM"]
         print(f"ablate {stage:9s} " + "  ".join(f"{name} {ms:.3f} ms ({ms / base:.3f}x)"
                                               for name, ms in times.items()), flush=True)
-        results.append({"stage": stage, "config": str(config), **times})
+        results.append({"stage": stage, "config": str(config), "ms": times})
     return results
 
 
