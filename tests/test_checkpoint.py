@@ -22,7 +22,7 @@ from codatrain.model.hf import save_hf
 from codatrain.model.layout import Canonical
 from codatrain.train import checkpoint_files
 from codatrain.train.canonical_state import CanonicalMapping, canonical_state
-from codatrain.train.checkpoint import CheckpointError, inspect_checkpoint
+from codatrain.train.checkpoint import CheckpointError, inspect_checkpoint, replace_dir
 from codatrain.train.checkpointer import Checkpointer
 from codatrain.train.hf_io import load_hf_weights
 from codatrain.train.parallelize import apply_activation_checkpointing, init_weights, strip_wrapper_prefixes
@@ -510,3 +510,15 @@ def test_activation_checkpointing_wraps_every_block_but_the_last():
     apply_activation_checkpointing(model)
     wrapped = [type(block).__name__ == "CheckpointWrapper" for block in model.layers]
     assert CFG.n_layers >= 2 and wrapped == [True] * (CFG.n_layers - 1) + [False]
+
+
+def test_republishing_a_step_replaces_it_and_clears_a_stale_old_copy(tmp_path):
+    # A crash between replace_dir's two renames leaves `.tmp-old-step_N`; the next publish of
+    # step N must not trip over it, and leaves only the new step behind.
+    final, stale, staged = tmp_path / "step_5", tmp_path / ".tmp-old-step_5", tmp_path / ".tmp-step_5"
+    for folder, text in ((final, "old"), (stale, "stale"), (staged, "new")):
+        folder.mkdir()
+        (folder / "weights").write_text(text)
+    replace_dir(staged, final)
+    assert (final / "weights").read_text() == "new"
+    assert [p.name for p in tmp_path.iterdir()] == ["step_5"]
