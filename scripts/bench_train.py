@@ -11,11 +11,11 @@ Everything after `--` is passed to scripts/train.py for every variant. Each vari
 records (metrics.jsonl) are read back; the first `--warmup` steps are excluded and the medians of
 the rest are reported: time per step, tokens/s and TFLOP/s per device, MFU, peak memory and the
 resident model state (parameters + optimizer state, allocated between steps), whose difference is
-what a step needs for activations, gradients and temporaries. Writes <out>/bench_train.json and
-prints a table; `--replot` redraws the chart and the table from such JSONs (`FILE:a,b` takes the
-variants a and b of FILE; a variant in a later file replaces one of the same name). `--profile N`
-profiles N more steps after the timed ones (a torch.profiler summary per variant, named in the
-JSON).
+what a step needs for activations, gradients and temporaries. Writes <out>/bench_train.json (after
+every variant: a run stopped by a time limit keeps the finished ones) and prints a table; `--replot`
+redraws the chart and the table from such JSONs (`FILE:a,b` takes the variants a and b of FILE; a
+variant in a later file replaces one of the same name). `--profile N` profiles N more steps after
+the timed ones (a torch.profiler summary per variant, named in the JSON).
 
 Variants (`--variants`, names from codatrain/train/runs.py VARIANTS): eager, compile (eager +
 torch.compile), coda, coda_compile, coda_reference, and liger: the eager model with liger-kernel
@@ -146,16 +146,15 @@ def main() -> None:
             parser.error(f"unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}")
         if args.warmup >= args.steps:
             parser.error("--warmup must be smaller than --steps")
-        summaries = [
-            summarize(run_variant(n, args.overrides, args.steps, args.out / n, args.nproc, args.profile),
-                      args.warmup)
-            for n in names
-        ]
         report = {"overrides": args.overrides, "steps": args.steps, "warmup": args.warmup,
                   "nproc": args.nproc, "date": time.strftime("%Y-%m-%d"), "software": software_versions(),
-                  "variants": summaries}
+                  "variants": []}
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "bench_train.json").write_text(json.dumps(report, indent=2))
+        for name in names:
+            result = run_variant(name, args.overrides, args.steps, args.out / name, args.nproc, args.profile)
+            report["variants"].append(summarize(result, args.warmup))
+            # Written after every variant: a run stopped by a time limit keeps the finished ones.
+            (args.out / "bench_train.json").write_text(json.dumps(report, indent=2))
     if args.plot:
         gpu = report["software"]["gpu"] or "CPU"
         title = f"{gpu}, {report['nproc']} process(es), {report['date']}: {' '.join(report['overrides'])}"

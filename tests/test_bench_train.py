@@ -47,3 +47,26 @@ def test_summary_takes_medians_after_warmup():
     assert summary["final_loss"] == 6.0 and summary["losses"] == {1: 9.0, 2: 8.0, 3: 7.0, 4: 6.0}
     assert summarize({"variant": "coda", "error": "exit code 1"}, warmup=1)["error"] == "exit code 1"
     assert "error" in summarize({"variant": "eager", "records": records[:1], "profile": None}, warmup=1)
+
+
+def test_a_run_stopped_after_one_variant_keeps_its_report(tmp_path, monkeypatch):
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench_train
+
+    records = [{"step": s, "loss": 5.0, "step_time_s": 1.0, "tokens_per_s_per_device": 10.0,
+                "tflops_per_device": 1.0, "mfu": None, "peak_memory_gib": 1.0, "resident_memory_gib": 0.5,
+                "data_time_s": 0.0} for s in range(1, 4)]
+
+    def run_variant(name, overrides, steps, out, nproc, profile):
+        if name != "eager":
+            raise KeyboardInterrupt  # the time limit, while the second variant runs
+        return {"variant": name, "records": records, "profile": None}
+
+    monkeypatch.setattr(bench_train, "run_variant", run_variant)
+    monkeypatch.setattr(sys, "argv", ["bench_train.py", "--variants", "eager,coda", "--steps", "3",
+                                      "--warmup", "1", "--out", str(tmp_path)])
+    with pytest.raises(KeyboardInterrupt):
+        bench_train.main()
+    report = json.loads((tmp_path / "bench_train.json").read_text())
+    assert [v["variant"] for v in report["variants"]] == ["eager"]
+    assert report["variants"][0]["timed_steps"] == 2
