@@ -448,6 +448,19 @@ def sweep(x: Inputs, device: torch.device, stages: list[str], warmup: int, iters
     return results
 
 
+def rope_alone(x: Inputs, out: torch.Tensor, config: object) -> Callable[[], None]:
+    """QuACK's RoPE GEMM epilogue on F4's operands and frequency table, without the rstd row scale."""
+    from quack.epilogue.rotary import rope_posfreq_epi
+
+    from codatrain.kernels.cute.gemm_stages import rope_args, rope_freq
+
+    freq = rope_freq(x.rope["head_dim"], x.rope["rope_heads"], x.w_qkv.shape[0], x.h.device,
+                     *rope_args(x.rope["rope"]))
+    pos = x.positions.to(torch.float32)
+    return lambda: rope_posfreq_epi(x.h, x.w_qkv.t(), out={"D": out}, config=config, tuned=False, pos=pos,
+                                    freq=freq)
+
+
 def ablate(x: Inputs, device: torch.device, stages: list[str], warmup: int, iters: int) -> list[dict]:
     """Split each stage's cost over cuBLAS into its parts, all at the stage's own tile config and
     timed interleaved: QuACK's plain GEMM (the mainloop and the bf16 store: what QuACK's kernel
@@ -471,6 +484,8 @@ def ablate(x: Inputs, device: torch.device, stages: list[str], warmup: int, iter
         if c is not None:
             fns["QuACK GEMM + C"] = lambda a=a, b=b, c=c, out=out, config=config: gemm_tuned.fn(
                 a, b, out, c, config=config)
+        if stage == "F4":  # which part of the epilogue: the RoPE alone, as QuACK ships it
+            fns["QuACK RoPE epilogue (no rstd)"] = rope_alone(x, out, config)
         fns["stage"] = call
         try:
             times = dict(zip(fns, median_ms(list(fns.values()), device, warmup=warmup, iters=iters),
