@@ -41,7 +41,7 @@ import torch
 
 from codatrain.kernels.attention import get_attention
 from codatrain.kernels.resolve import resolve_block
-from codatrain.kernels.stages import StageBackend, get_backend
+from codatrain.kernels.stages import IGNORE_INDEX, StageBackend, get_backend
 from codatrain.model.coda import CodaLayer, ForwardStep
 from codatrain.model.config import LlamaConfig, get_preset
 from codatrain.model.llama import Block, rope_cos_sin
@@ -302,7 +302,10 @@ def head_fns(s: StageBackend, x: Inputs, device: torch.device, chunks: list[int]
     - quack LCE <pipeline> c<N>: QuACK's `chunked_linear_cross_entropy` on n itself (no norm),
       untuned (its autotuner would compile dozens of GEMM configs first), as the CODA head calls it;
     - CODA c<N>: the backend's `lm_head_ce` in N-row chunks and the backward's scaling of its
-      gradients (the model's `_FinalLossFn`, without the last layer's MLP)."""
+      gradients (the model's `_FinalLossFn`, without the last layer's MLP);
+    - CODA LCE part c<N> (cute backend): the same without the final norm's forward and backward
+      (the cute head's cross-entropy pipelines on n, then the scaling), to place its cost over
+      QuACK's LCE in the norm or in the cross-entropy part."""
     from codatrain.model.llama import RMSNorm, lm_loss
 
     c, m = x.cfg, x.m
@@ -360,6 +363,15 @@ def head_fns(s: StageBackend, x: Inputs, device: torch.device, chunks: list[int]
 
         return call
 
+    def coda_lce_part(chunk: int) -> Callable:
+        from codatrain.kernels.cute.head import linear_cross_entropy
+
+        def call() -> None:
+            _, _, dweight = linear_cross_entropy(n.detach(), x.w_head, targets, chunk, IGNORE_INDEX)
+            torch.mul(dweight, scale, out=torch.empty(dweight.shape, dtype=x.x.dtype, device=device))
+
+        return call
+
     for chunk in chunks:
         for pipeline, scaled_exp in (("scaled-exp", True), ("base", False)):
             fns[f"quack LCE {pipeline} c{chunk}"] = run(
@@ -368,6 +380,8 @@ def head_fns(s: StageBackend, x: Inputs, device: torch.device, chunks: list[int]
                 )
             )
         fns[f"CODA c{chunk}"] = coda(chunk)
+        if s.name == "cute":
+            fns[f"CODA LCE part c{chunk}"] = coda_lce_part(chunk)
     return fns
 
 
