@@ -359,16 +359,17 @@ def head_fns(s: StageBackend, x: Inputs, device: torch.device, chunks: list[int]
         def call() -> None:
             out = s.lm_head_ce(x.x, x.gamma, x.w_head, targets, eps=EPS, chunk_rows=chunk)
             out.dx * scale, out.dgamma * scale
-            torch.mul(out.dweight, scale, out=torch.empty(out.dweight.shape, dtype=x.x.dtype, device=device))
+            s.lm_head_dweight(*out[3:], scale, x.x.dtype)
 
         return call
 
     def coda_lce_part(chunk: int) -> Callable:
-        from codatrain.kernels.cute.head import linear_cross_entropy
+        from codatrain.kernels.cute import head
 
         def call() -> None:
-            _, _, dweight = linear_cross_entropy(n.detach(), x.w_head, targets, chunk, IGNORE_INDEX)
-            torch.mul(dweight, scale, out=torch.empty(dweight.shape, dtype=x.x.dtype, device=device))
+            _, _, *parts = head.linear_cross_entropy(n.detach(), x.w_head, targets, chunk, IGNORE_INDEX)
+            dweight = head.split_dweight(parts, m, c.dim, c.vocab_size, chunk)
+            head.lm_head_dweight(*dweight, scale, x.x.dtype)
 
         return call
 

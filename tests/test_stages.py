@@ -150,8 +150,34 @@ def test_lm_head_ce_gives_the_loss_and_gradients_of_norm_head_and_cross_entropy(
         out = s.lm_head_ce(x, gamma, w_lm, targets, eps=EPS, chunk_rows=chunk_rows)
     torch.testing.assert_close(out.loss, row_loss, rtol=1e-12, atol=1e-12)
     assert (out.loss[::4] == 0).all()
-    assert out.dweight.dtype == out.dgamma.dtype == torch.float64
-    assert_grads(expected, [out.dx, out.dgamma, out.dweight])
+    assert out.dgamma.dtype == torch.float64
+    dweight = s.lm_head_dweight(*out[3:], torch.ones((), dtype=torch.float64), torch.float64)
+    assert_grads(expected, [out.dx, out.dgamma, dweight])
+
+
+@pytest.mark.parametrize("chunk_rows", [M, 20], ids=["one-chunk", "chunks-20+17"])
+def test_lm_head_leaves_its_last_chunks_weight_gradient_to_a_scaled_rounding_pass(s, chunk_rows):
+    """The reference head, like the cute base pipeline, sums the weight gradient of every chunk
+    but the last and keeps the last chunk's dlogits and n (activation dtype); `lm_head_dweight`
+    adds that chunk, scales by the loss gradient and rounds once to the weight's dtype."""
+    x, gamma = rand(M, D, requires_grad=False), 1 + 0.3 * torch.randn(D, dtype=torch.float64)
+    w_lm = rand(V, D, scale=D**-0.5, requires_grad=False)
+    targets = torch.randint(0, V, (M,))
+    n = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + EPS) * gamma
+    logits = n @ w_lm.t()
+    dlogits = torch.softmax(logits, -1) - torch.nn.functional.one_hot(targets, V)
+    out = s.lm_head_ce(x, gamma, w_lm, targets, eps=EPS, chunk_rows=chunk_rows)
+    last = (M - 1) // chunk_rows * chunk_rows
+    if last:
+        torch.testing.assert_close(out.dweight, dlogits[:last].t() @ n[:last], rtol=1e-10, atol=1e-12)
+    else:
+        assert out.dweight is None
+    torch.testing.assert_close(out.last_dlogits, dlogits[last:], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(out.last_n, n[last:], rtol=1e-12, atol=1e-12)
+    scale = torch.tensor(0.37, dtype=torch.float64)
+    dweight = s.lm_head_dweight(*out[3:], scale, torch.float32)
+    assert dweight.dtype == torch.float32
+    torch.testing.assert_close(dweight, (0.37 * dlogits.t() @ n).float(), rtol=1e-6, atol=1e-7)
 
 
 def test_logits_backward_stages(s):
@@ -274,9 +300,10 @@ def test_cute_stages_trace_under_compile():
         dx, n, _ = s.gemm_rms_bwd(dz, w_qkv, x2, gamma, rstd, zdz, x)
         dpreact, y2, zdz2 = s.gemm_dswiglu(dx, w_down, preact)
         head = s.lm_head_ce(x2, gamma, w_lm, tokens, eps=EPS, chunk_rows=32)
+        dw_lm = s.lm_head_dweight(*head[3:], torch.ones((), device="meta"), torch.bfloat16)
         dw = s.wgrad(dx, x, accumulate_into=torch.zeros(d, d, device="meta"))
-        return (*e, preact, y, x2, h2, qkv, lse, target_logit, dz, zdz, dx, n, dpreact, y2, zdz2, *head, dw,
-                s.gemm_rstd(h2, w_lm, rstd), s.row_dot(qkv, qkv), s.dgrad(dx, w_qkv.t()),
+        return (*e, preact, y, x2, h2, qkv, lse, target_logit, dz, zdz, dx, n, dpreact, y2, zdz2, *head,
+                dw_lm, dw, s.gemm_rstd(h2, w_lm, rstd), s.row_dot(qkv, qkv), s.dgrad(dx, w_qkv.t()),
                 s.entry_bwd(dx, tokens, num_embeddings=v))
 
     compiled = torch.compile(lambda: stages(cute), fullgraph=True, backend="eager")()

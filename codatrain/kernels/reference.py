@@ -67,6 +67,11 @@ def _tile_sums(values: torch.Tensor, tile: int, dim: int) -> torch.Tensor:
     return F.pad(values, (0, 0, 0, pad)).view(tiles, tile, values.shape[1]).sum(1)
 
 
+def _plus(total: torch.Tensor | None, term: torch.Tensor) -> torch.Tensor:
+    """total + term, where a None total is an empty sum."""
+    return term if total is None else total + term
+
+
 class ReferenceStages(StageBackend):
     """Pure-PyTorch stages. `logits_chunk_elements` bounds the logits block that `gemm_rstd_lse`
     materialises at once (rows × V), so the LM head never holds M×V logits. The partial sums
@@ -171,7 +176,7 @@ class ReferenceStages(StageBackend):
         n = (xr * gamma.to(st)).to(x.dtype)  # the normed rows, written once as the GEMMs' operand
         loss = torch.empty_like(rstd)
         dn = torch.empty_like(x)
-        dweight = torch.zeros(weight.shape, dtype=st, device=x.device)
+        dweight = last_dlogits = last_n = None
         for start in range(0, x.shape[0], chunk_rows):
             rows = slice(start, start + chunk_rows)
             logits = (n[rows] @ weight.t()).to(st)
@@ -183,12 +188,28 @@ class ReferenceStages(StageBackend):
             dlogits = torch.exp(logits - lse[:, None]).scatter_add_(1, picked, -torch.ones_like(lse)[:, None])
             dlogits = (dlogits * valid[:, None]).to(x.dtype)
             dn[rows] = dlogits @ weight
-            dweight += dlogits.t().to(st) @ n[rows].to(st)  # accumulated unrounded, as in fp32
+            if last_dlogits is not None:  # the previous chunk's, accumulated unrounded
+                dweight = _plus(dweight, last_dlogits.t().to(st) @ last_n.to(st))
+            # The last chunk's weight gradient is left to `lm_head_dweight`, as the cute head does.
+            last_dlogits, last_n = dlogits, n[rows]
         dns = dn.to(st)
         zdz = (n.to(st) * dns).sum(-1)
         # The norm backward of `gemm_rms_bwd`, with dn at hand instead of a dgrad GEMM.
         dx = rstd[:, None] * (dns * gamma.to(st) - xr * (zdz[:, None] / x.shape[1]))
-        return HeadLossOut(loss, dx.to(x.dtype), (dns * xr).sum(0), dweight)
+        return HeadLossOut(loss, dx.to(x.dtype), (dns * xr).sum(0), dweight, last_dlogits, last_n)
+
+    def lm_head_dweight(
+        self,
+        dweight: torch.Tensor | None,
+        last_dlogits: torch.Tensor | None,
+        last_n: torch.Tensor | None,
+        scale: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        st = scale.dtype
+        if last_dlogits is not None:
+            dweight = _plus(dweight, last_dlogits.t().to(st) @ last_n.to(st))
+        return (dweight * scale).to(dtype)
 
     # ---- backward --------------------------------------------------------------------------
 

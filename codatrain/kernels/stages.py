@@ -151,7 +151,14 @@ class HeadLossOut(NamedTuple):
     loss: torch.Tensor  # (M,) stat dtype: lse − target logit; 0 where the target is ignored
     dx: torch.Tensor  # (M, d) activation dtype: ∂(Σ loss)/∂x, x the final norm's input
     dgamma: torch.Tensor  # (d,) stat dtype: ∂(Σ loss)/∂γ_final
-    dweight: torch.Tensor  # (V, d) stat dtype: ∂(Σ loss)/∂W_head, summed over chunks unrounded
+    # ∂(Σ loss)/∂W_head (V, d) = dweight + last_dlogitsᵀ·last_n; `lm_head_dweight` forms it,
+    # scaled and rounded, in one pass. A backend may leave its last chunk's weight-gradient GEMM to
+    # that call (last_dlogits (rows, V) and last_n (rows, d) in the activation dtype), which saves
+    # a read and write of the V×d stat-dtype sum; then dweight holds the other chunks (None if
+    # there are none). Without a pending chunk, last_dlogits and last_n are None.
+    dweight: torch.Tensor | None  # (V, d) stat dtype, summed over chunks unrounded
+    last_dlogits: torch.Tensor | None
+    last_n: torch.Tensor | None
 
 
 class RmsBwdOut(NamedTuple):
@@ -307,8 +314,22 @@ class StageBackend(ABC):
         dlogits = softmax(logits) − onehot(target) (zero rows where ignored), dn = dlogits·W,
         dW = Σ_chunks dlogitsᵀ·n, and the norm backward dx = rstd ⊙ (dn ⊙ γ − x ⊙ rstd · zdz/d)
         with zdz = Σ_k n·dn (= Σ_v logits·dlogits, the ZdZ identity), dγ = Σ_m dn ⊙ x ⊙ rstd.
-        Returns `HeadLossOut` for a unit gradient of Σ loss.
+        Returns `HeadLossOut` for a unit gradient of Σ loss; its weight gradient may be left
+        partly to `lm_head_dweight`.
         """
+
+    @abstractmethod
+    def lm_head_dweight(
+        self,
+        dweight: torch.Tensor | None,
+        last_dlogits: torch.Tensor | None,
+        last_n: torch.Tensor | None,
+        scale: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """The LM head's weight gradient for an upstream gradient `scale` (a 0-d stat-dtype tensor)
+        of Σ loss, from `lm_head_ce`'s parts: scale · (dweight + last_dlogitsᵀ·last_n), (V, d) in
+        `dtype` (the weight's), rounded once."""
 
     # ---- backward --------------------------------------------------------------------------
 

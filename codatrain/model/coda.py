@@ -202,27 +202,32 @@ class _LayerFn(torch.autograd.Function):
 class _FinalLossFn(torch.autograd.Function):
     """(o, x_in) → the *sum* of the cross-entropy over targets that are not IGNORE_INDEX (0 when
     there are none): F1 R1 F2 F3, then the final norm and LM head in the fused-linear-cross-entropy
-    order (`lm_head_ce`), which computes the head's gradients during the forward. Whoever
-    normalizes the sum (the model's mean, or the trainer's count over a whole optimizer step) does
-    so outside, so the backward scales those gradients by the incoming dloss alone."""
+    order (`lm_head_ce`), which computes the head's gradients during the forward (all but its
+    last chunk's weight gradient, which may be left to the backward). Whoever normalizes the sum
+    (the model's mean, or the trainer's count over a whole optimizer step) does so outside, so the
+    backward scales those gradients by the incoming dloss alone."""
 
     @staticmethod
     def forward(ctx, o, x_in, w_o, gamma_mlp, w_gu, w_down, gamma_final, w_lm, targets, s, c, chunk_rows):
         mlp_saved, x2, _, _ = _mlp_forward(s, c, o, x_in, w_o, gamma_mlp, w_gu, w_down, gamma_final)
         head = s.lm_head_ce(x2, gamma_final, w_lm, targets, eps=c.eps, chunk_rows=chunk_rows)
-        ctx.save_for_backward(*mlp_saved, head.dx, head.dgamma, head.dweight)
+        ctx.save_for_backward(*mlp_saved, head.dx, head.dgamma)
+        # Intermediates, kept on ctx so that the backward can drop them (gigabytes: the V×d fp32
+        # sum and a chunk of dlogits) before the last layer's backward allocates its own.
+        ctx.head_dweight = (head.dweight, head.last_dlogits, head.last_n)
         ctx.s, ctx.dtypes = s, (gamma_final.dtype, w_lm.dtype)
         return head.loss.sum()
 
     @staticmethod
     def backward(ctx, dloss):
-        mlp_saved, (dx2, dgamma, dw_lm) = _unpack(ctx)
+        mlp_saved, (dx2, dgamma) = _unpack(ctx)
+        gamma_dtype, w_dtype = ctx.dtypes
         with torch.autocast(dloss.device.type, enabled=False):
             scale = dloss.to(dgamma.dtype)
+            dw_lm = ctx.s.lm_head_dweight(*ctx.head_dweight, scale, w_dtype)
+            ctx.head_dweight = None
             mlp_grads = _mlp_backward(ctx.s, mlp_saved, dx2 * scale)
-        gamma_dtype, w_dtype = ctx.dtypes
-        dgamma, dw_lm = _scaled(dgamma, scale, gamma_dtype), _scaled(dw_lm, scale, w_dtype)
-        return *mlp_grads, dgamma, dw_lm, None, None, None, None
+        return *mlp_grads, _scaled(dgamma, scale, gamma_dtype), dw_lm, None, None, None, None
 
 
 def _scaled(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

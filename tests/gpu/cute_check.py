@@ -95,6 +95,14 @@ def run_both(ref, method: str, *args, **kwargs):
     return getattr(ref, method)(*args, **kwargs), getattr(ref, method)(*up, **kwargs)
 
 
+def head_dweight(stages, head, dtype: torch.dtype, use_compile: bool = False) -> torch.Tensor:
+    """The LM head's weight gradient from `lm_head_ce`'s output `head`, as the model's backward
+    forms it: for a loss gradient that is not 1, rounded to `dtype`."""
+    scale = torch.tensor(0.37, device=DEVICE)
+    finish = staged(stages.lm_head_dweight, use_compile)
+    return finish(head.dweight, head.last_dlogits, head.last_n, scale, dtype)
+
+
 def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, device=DEVICE) * scale).to(torch.bfloat16)
 

@@ -20,6 +20,7 @@ from cute_check import (  # noqa: E402
     Shape,
     check,
     gamma,
+    head_dweight,
     poison,
     positions,
     randn,
@@ -155,8 +156,11 @@ def test_lm_head_ce(backends, case, use_compile):
     kwargs = {"eps": 1e-5, "chunk_rows": chunk_rows}
     out = staged(cute.lm_head_ce, use_compile)(*args, **kwargs)
     bf16, fp32 = run_both(ref, "lm_head_ce", *args, **kwargs)
-    for name in ("loss", "dx", "dgamma", "dweight"):
+    for name in ("loss", "dx", "dgamma"):
         check(name, getattr(out, name), getattr(bf16, name), getattr(fp32, name))
+    # The weight gradient as the backward finishes it: scaled, in the weight's dtype.
+    check("dweight", head_dweight(cute, out, torch.bfloat16, use_compile),
+          head_dweight(ref, bf16, torch.bfloat16), head_dweight(ref, fp32, torch.float32))
     assert (out.loss[ignored] == 0).all() and (out.dx[ignored] == 0).all()
 
 

@@ -145,6 +145,16 @@ class CuteStages(StageBackend):
         out = head.lm_head_ce(x.contiguous(), gamma, weight, targets, eps, chunk_rows, ignore_index)
         return HeadLossOut(*out)
 
+    def lm_head_dweight(
+        self,
+        dweight: torch.Tensor | None,
+        last_dlogits: torch.Tensor | None,
+        last_n: torch.Tensor | None,
+        scale: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        return head.lm_head_dweight(dweight, last_dlogits, last_n, scale, dtype)
+
     # ---- backward --------------------------------------------------------------------------
 
     def rope_bwd(

@@ -7,7 +7,11 @@ Three pieces, all QuACK's:
 2. its chunked linear cross-entropy (`quack.linear_cross_entropy`): per chunk of rows the logits
    GEMM once, loss and dlogits in place of the logits, dn = dlogits·W and dW += dlogitsᵀ·n in
    fp32. The scaled-exp pipeline (dlogits as bf16 exponentials with per-tile power-of-two
-   offsets, so no row pass over them) where it applies, the base pipeline elsewhere;
+   offsets, so no row pass over them) where it applies, the base pipeline elsewhere. The base
+   pipeline leaves its last chunk's dW GEMM to the backward (`lm_head_dweight`), which runs it
+   with the loss gradient as alpha and beta and writes the weight's dtype: the V×d fp32 sum is
+   then read once, where adding the last chunk in the forward and scaling in the backward would
+   read it twice and write it twice (QuACK's own autograd function does the same);
 3. its RMSNorm-backward row kernel on dn, which forms the ZdZ row sum Σ n·dn itself.
 The op is functional (QuACK allocates its outputs), with a fake for torch.compile.
 """
@@ -15,7 +19,7 @@ The op is functional (QuACK allocates its outputs), with a fake for torch.compil
 from __future__ import annotations
 
 import torch
-from quack.gemm_interface import gemm, gemm_add_inplace
+from quack.gemm_interface import gemm, gemm_add, gemm_add_inplace
 from quack.linear_cross_entropy import chunked_linear_cross_entropy_fwd, scaled_exp_linear_cross_entropy_fwd
 from quack.rmsnorm import rmsnorm_fwd
 from quack.rmsnorm_config import get_sm_count
@@ -53,40 +57,50 @@ def _padded(t: Tensor, rows: int, value: float | int) -> Tensor:
     return torch.cat([t, pad])
 
 
+def _base_rows(rows: int) -> int:
+    return -(-rows // BASE_ROWS) * BASE_ROWS
+
+
+def dweight_parts(rows: int, dim: int, vocab_size: int, chunk_rows: int) -> tuple[bool, int]:
+    """How `linear_cross_entropy` returns the weight gradient over `rows` rows: whether it has a
+    summed fp32 part, and the rows of the last chunk it leaves pending (0: none)."""
+    if scaled_exp_applies(rows, dim, vocab_size, chunk_rows):
+        return True, 0
+    padded = _base_rows(rows)
+    last = padded - (padded - 1) // chunk_rows * chunk_rows
+    return padded > chunk_rows, last
+
+
 def _base_pipeline(n: Tensor, weight: Tensor, targets: Tensor, chunk_rows: int,
-                   ignore_index: int) -> tuple[Tensor, Tensor, Tensor]:
-    """QuACK's base chunked pipeline, with its last chunk's weight gradient (which it leaves to a
-    backward that scales it) added here: our backward scales every gradient at once."""
-    rows = -(-n.shape[0] // BASE_ROWS) * BASE_ROWS
+                   ignore_index: int) -> list[Tensor]:
+    """QuACK's base chunked pipeline: [loss, dn, dW of all chunks but the last (when there are
+    several), the last chunk's dlogits and n]."""
+    rows = _base_rows(n.shape[0])
     # Padded rows are zeros with ignored targets: no loss and no gradient.
     n_pad, targets_pad = _padded(n, rows, 0.0), _padded(targets, rows, ignore_index)
     loss, dn, dweight, last_dlogits, last_n = chunked_linear_cross_entropy_fwd(
         n_pad, weight, targets_pad, chunk_rows, ignore_index, tuned=False
     )
-    if dweight is None:
-        dweight = gemm(last_dlogits.T, last_n, out_dtype=torch.float32, tuned=False)
-    else:
-        gemm_add_inplace(last_dlogits.T, last_n, dweight, tuned=False)
-    return loss, dn, dweight
+    return [loss, dn, *([] if dweight is None else [dweight]), last_dlogits, last_n]
 
 
 def linear_cross_entropy(n: Tensor, weight: Tensor, targets: Tensor, chunk_rows: int,
-                         ignore_index: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(loss, dn, dW fp32) of Σ cross-entropy(n·Wᵀ) over QuACK's pipelines; loss and dn may carry
-    padded rows past n's."""
+                         ignore_index: int) -> list[Tensor]:
+    """[loss, dn, *dW parts] of Σ cross-entropy(n·Wᵀ) over QuACK's pipelines, the dW parts as
+    `dweight_parts` says (loss and dn may carry padded rows past n's)."""
     if scaled_exp_applies(n.shape[0], n.shape[1], weight.shape[0], chunk_rows):
-        return scaled_exp_linear_cross_entropy_fwd(n, weight, targets, chunk_rows, ignore_index)
+        return list(scaled_exp_linear_cross_entropy_fwd(n, weight, targets, chunk_rows, ignore_index))
     return _base_pipeline(n, weight, targets, chunk_rows, ignore_index)
 
 
 def _lm_head_ce(x: Tensor, gamma: Tensor, weight: Tensor, targets: Tensor, eps: float, chunk_rows: int,
-                ignore_index: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                ignore_index: int) -> list[Tensor]:
     m, d = x.shape
     n, _, rstd = rmsnorm_fwd(x, gamma, eps=eps, store_rstd=True)
-    loss, dn, dweight = linear_cross_entropy(n, weight, targets, chunk_rows, ignore_index)
+    loss, dn, *dweight = linear_cross_entropy(n, weight, targets, chunk_rows, ignore_index)
     sm_count = get_sm_count(d, x.device)
     dx, dgamma_partials = torch.ops.quack.rmsnorm_bwd_f(x, gamma, dn[:m], rstd, None, sm_count)
-    return loss[:m].clone() if loss.shape[0] != m else loss, dx, dgamma_partials.sum(0), dweight
+    return [loss[:m].clone() if loss.shape[0] != m else loss, dx, dgamma_partials.sum(0), *dweight]
 
 
 _lm_head_ce_op = torch.library.custom_op(
@@ -96,15 +110,46 @@ _lm_head_ce_op = torch.library.custom_op(
 
 @_lm_head_ce_op.register_fake
 def _(x, gamma, weight, targets, eps, chunk_rows, ignore_index):
-    m, d = x.shape
-    return (x.new_empty(m, dtype=torch.float32), torch.empty_like(x), x.new_empty(d, dtype=torch.float32),
-            weight.new_empty(weight.shape, dtype=torch.float32))
+    (m, d), vocab_size = x.shape, weight.shape[0]
+    summed, last_rows = dweight_parts(m, d, vocab_size, chunk_rows)
+    outs = [x.new_empty(m, dtype=torch.float32), torch.empty_like(x), x.new_empty(d, dtype=torch.float32)]
+    if summed:
+        outs.append(weight.new_empty(weight.shape, dtype=torch.float32))
+    if last_rows:
+        outs += [x.new_empty(last_rows, vocab_size), x.new_empty(last_rows, d)]
+    return outs
 
 
-def lm_head_ce(x: Tensor, gamma: Tensor, weight: Tensor, targets: Tensor, eps: float, chunk_rows: int,
-               ignore_index: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(loss (M,), dx (M, d), dγ (d,) fp32, dW (V, d) fp32) for a unit gradient of Σ loss. Under
-    torch.compile through the custom op (one graph node); in eager mode around it (the dispatcher
-    costs tens of microseconds, see torch_op.stage_op)."""
+def lm_head_ce(
+    x: Tensor, gamma: Tensor, weight: Tensor, targets: Tensor, eps: float, chunk_rows: int, ignore_index: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """(loss (M,), dx (M, d), dγ (d,) fp32, and the weight gradient's parts for `lm_head_dweight`:
+    dW (V, d) fp32 or None, the pending last chunk's dlogits and n or None) for a unit gradient of
+    Σ loss. Under torch.compile through the custom op (one graph node); in eager mode around it
+    (the dispatcher costs tens of microseconds, see torch_op.stage_op)."""
     fn = _lm_head_ce_op if torch.compiler.is_compiling() else _lm_head_ce
-    return fn(x, gamma, weight, targets, eps, chunk_rows, ignore_index)
+    loss, dx, dgamma, *parts = fn(x, gamma, weight, targets, eps, chunk_rows, ignore_index)
+    return loss, dx, dgamma, *split_dweight(parts, x.shape[0], x.shape[1], weight.shape[0], chunk_rows)
+
+
+def split_dweight(parts: list[Tensor], rows: int, dim: int, vocab_size: int,
+                  chunk_rows: int) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """`linear_cross_entropy`'s weight-gradient parts as (dW or None, last dlogits, last n or None)."""
+    summed, last_rows = dweight_parts(rows, dim, vocab_size, chunk_rows)
+    dweight = parts[0] if summed else None
+    last_dlogits, last_n = parts[summed:] if last_rows else (None, None)
+    return dweight, last_dlogits, last_n
+
+
+def lm_head_dweight(dweight: Tensor | None, last_dlogits: Tensor | None, last_n: Tensor | None,
+                    scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """scale · (dweight + last_dlogitsᵀ·last_n) in `dtype`: the pending chunk's GEMM with the sum
+    as its C and scale as alpha and beta (one read of the fp32 sum), else one scaling pass."""
+    if last_dlogits is None:
+        return torch.mul(dweight, scale, out=torch.empty(dweight.shape, dtype=dtype, device=dweight.device))
+    if dweight is None:
+        return gemm(last_dlogits.T, last_n, out_dtype=dtype, alpha=scale, tuned=False)
+    if dweight.dtype == dtype:
+        gemm_add_inplace(last_dlogits.T, last_n, dweight, alpha=scale, beta=scale, tuned=False)
+        return dweight
+    return gemm_add(last_dlogits.T, last_n, dweight, alpha=scale, beta=scale, out_dtype=dtype, tuned=False)

@@ -223,10 +223,19 @@ def head_kernels(s: KernelShapes) -> list[KernelSpec]:
                 mock.patch.object(lce, "cross_entropy_fwd_out", cross_entropy_compile_only):
             return head.linear_cross_entropy(_act(m, d), _act(vocab, d), _index(m), rows, IGNORE_INDEX)
 
+    summed, last_rows = head.dweight_parts(m, d, vocab, rows)
+
+    def pending_dweight() -> object:
+        # The backward's GEMM of the base pipeline's last chunk (`lm_head_dweight`), scaled by the
+        # loss gradient and rounded to the weight's dtype.
+        return head.lm_head_dweight(_stat(vocab, d) if summed else None, _act(last_rows, vocab),
+                                    _act(last_rows, d), _stat(), ACT)
+
     return [
         KernelSpec("final RMSNorm", lambda: _compile_rmsnorm_fwd(bf16, bf16, None, bf16, None, None, d, True,
                                                                  False, False, False)),
         KernelSpec("LM head linear cross-entropy, loss and gradients", linear_cross_entropy),
+        *([KernelSpec("LM head weight gradient of the last chunk", pending_dweight)] if last_rows else []),
         KernelSpec("final RMSNorm backward", lambda: _compile_rmsnorm_bwd(
             d, bf16, bf16, bf16, bf16, False, None, None, True, False, T_hint=_bucket_T_hint(m))),
     ]
