@@ -403,12 +403,14 @@ def stage_gemms(s: StageBackend, x: Inputs) -> dict[str, tuple]:
     """Per cute GEMM stage: its key in configs.py, the stage call, and the operands A, B of its GEMM
     (A @ B is the same GEMM in cuBLAS) with C, the M × N tensor its epilogue reads besides the
     accumulator (the residual, or the residual's gradient), or None."""
+    from codatrain.kernels.cute.gemm_stages import residual_rms_stage
+
     norm_bwd = (x.x, x.gamma, x.rstd, x.zdz, x.x)  # the norm's input, γ, rstd, zdz, residual grad
     return {
-        "F1": ("residual_rms", lambda: s.gemm_residual_rms(x.attn_out, x.w_o, x.x, x.gamma),
-               x.attn_out, x.w_o.t(), x.x),
-        "F3": ("residual_rms", lambda: s.gemm_residual_rms(x.y, x.w_down, x.x, x.gamma),
-               x.y, x.w_down.t(), x.x),
+        "F1": (residual_rms_stage(*x.w_o.shape[::-1]),
+               lambda: s.gemm_residual_rms(x.attn_out, x.w_o, x.x, x.gamma), x.attn_out, x.w_o.t(), x.x),
+        "F3": (residual_rms_stage(*x.w_down.shape[::-1]),
+               lambda: s.gemm_residual_rms(x.y, x.w_down, x.x, x.gamma), x.y, x.w_down.t(), x.x),
         "F2": ("rstd_swiglu", lambda: s.gemm_rstd_swiglu(x.h, x.w_gu, x.rstd), x.h, x.w_gu.t(), None),
         "F4": ("rstd_rope", lambda: s.gemm_rstd_rope(x.h, x.w_qkv, x.rstd, x.positions, **x.rope),
                x.h, x.w_qkv.t(), None),

@@ -77,7 +77,7 @@ class CuteStages(StageBackend):
         _check_activations("gemm_residual_rms", a, weight, residual, gamma)
         # The partials follow the kernel's own column tile (the API allows any P).
         m, n = a.shape[0], weight.shape[0]
-        tiles = gemm_stages.column_tiles("residual_rms", n)
+        tiles = gemm_stages.column_tiles(gemm_stages.residual_rms_stage(a.shape[1], n), n)
         out = ResidualOut(empty(m, n, like=a), empty(m, n, like=a), empty(m, tiles, like=a, dtype=STAT))
         gemm_stages.gemm_residual_rms(a, weight, residual, gamma, *out)
         return out

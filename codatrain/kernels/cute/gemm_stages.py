@@ -35,6 +35,12 @@ def column_tiles(stage: str, n: int) -> int:
 # ---- F1 / F3: GEMM + residual + x² partials + γ ------------------------------------------------
 
 
+def residual_rms_stage(k: int, n: int) -> str:
+    """The config key of a residual + RMS GEMM of K = `k` into N = `n` columns: F1 (out-proj,
+    K ≤ N) and F3 (down-proj, K = F > N) tile differently (configs.py)."""
+    return "residual_rms_short_k" if k <= n else "residual_rms"
+
+
 @stage_op("cute_gemm_residual_rms", mutates_args=("x", "h", "sq_partials"))
 def gemm_residual_rms(
     a: Tensor, weight: Tensor, residual: Tensor, gamma: Tensor, x: Tensor, h: Tensor, sq_partials: Tensor
@@ -49,7 +55,7 @@ def gemm_residual_rms(
         weight.t(),
         residual,
         out={"D": h, "resid_out": x},
-        config=gemm_config("residual_rms"),
+        config=gemm_config(residual_rms_stage(a.shape[1], weight.shape[0])),
         tuned=False,
         weight=gamma,
         sqsum=sq_partials,
