@@ -4,8 +4,11 @@ PackedLoader's epochs, state and iteration that tests/test_data_loader.py leaves
 
 import json
 import math
+import os
 import re
+import warnings
 
+import numpy as np
 import pytest
 import torch
 from test_data_loader import IndexWindows, make, take
@@ -50,6 +53,22 @@ def test_batches_are_moved_to_the_loaders_device():
                           seed=0, device=torch.device("meta"), shuffle=True, repeat=True, num_workers=0)
     batch = next(iter(loader))
     assert batch.inputs.device.type == batch.targets.device.type == "meta"
+
+
+class PidWindows(IndexWindows):
+    def __getitem__(self, i: int):
+        return np.full(self.seq_len + 1, os.getpid(), dtype=np.int64), None
+
+
+def test_workers_read_the_windows_in_other_processes_without_warnings_on_the_cpu():
+    for workers in (0, 1):
+        loader = PackedLoader(PidWindows(8), name="training", vocab_size=8, batch_size=2, rank=0,
+                              world_size=1, seed=0, device=torch.device("cpu"), shuffle=True, repeat=True,
+                              num_workers=workers)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # e.g. pinning memory on a machine without an accelerator
+            readers = set(next(iter(loader)).inputs.flatten().tolist())
+        assert (readers == {os.getpid()}) == (workers == 0)
 
 
 def test_state_records_the_position_seed_data_and_order_version():
@@ -293,6 +312,12 @@ def test_files_config_with_a_validation_path_reads_all_of_it(tmp_path):
     assert (main.location, main.text_column, main.max_documents) == (str(train_path), "body", 2)
     assert (val.location, val.text_column, val.max_documents) == (str(val_path), "body", None)
     assert main.load_args["cache_dir"] == val.load_args["cache_dir"] == str(tmp_path)
+    (tmp_path / "v.txt").write_text("one\n\ntwo\n")
+    _, val = data_sources(DataConfig(source="files", path=str(train_path), val_path=str(tmp_path / "v.txt"),
+                                     text_sample_by="paragraph", val_split="ignored"))
+    assert val.load_args["sample_by"] == "paragraph"
+    # val_split names a split of a Hub dataset; files have none.
+    assert data_sources(DataConfig(source="files", path=str(train_path), val_split="dev"))[1] is None
     main, _ = data_sources(DataConfig(source="embedded", max_documents=3, cache_dir=str(tmp_path)))
     assert (main.kind, main.max_documents, main.load_args["cache_dir"]) == ("embedded", 3, str(tmp_path))
 
