@@ -41,11 +41,14 @@ def test_an_epoch_whose_windows_fill_its_last_batch_exactly_keeps_that_batch():
     assert take(loader, 1) == [loader.order(1)[0:4].tolist()]
 
 
-def test_a_single_pass_loader_that_shuffles_visits_epoch_0s_order():
+def test_a_single_pass_loader_that_shuffles_visits_epoch_0s_order_from_its_start():
     loader = make(12, batch_size=4, repeat=False, shuffle=True)
     order = loader.order(0)[:].tolist()
     assert order != sorted(order)
     assert take(loader, 10) == [order[0:4], order[4:8], order[8:12]]
+    moved = make(12, batch_size=4, repeat=False, shuffle=True)
+    moved.load_state_dict({**loader.state_dict(), "offset": 4})
+    assert take(moved, 10) == [order[0:4], order[4:8], order[8:12]]  # a loaded position does not move it
 
 
 def test_batches_are_moved_to_the_loaders_device():
