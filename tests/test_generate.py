@@ -89,6 +89,37 @@ def test_cached_logits_match_the_full_forward():
         KVCache(CFG, 1, CFG.max_seq_len + 1, "cpu", torch.float32)
 
 
+def test_a_cache_may_hold_max_seq_len_positions_in_the_dtype_and_on_the_device_asked_for():
+    cache = KVCache(CFG, 2, CFG.max_seq_len, "meta", torch.bfloat16)
+    assert len(cache.layers) == CFG.n_layers
+    for layer in cache.layers:
+        for buffer in (layer.keys, layer.values):
+            assert buffer.shape == (2, CFG.n_kv_heads, CFG.max_seq_len, CFG.head_dim)
+            assert buffer.device.type == "meta" and buffer.dtype == torch.bfloat16
+
+
+def test_forward_and_decoding_make_every_tensor_on_the_device_of_the_tokens():
+    """On the meta device (a stand-in for a GPU on this CPU-only suite) any position, mask or RoPE
+    table made on the CPU would meet a meta tensor and fail."""
+    with torch.device("meta"):
+        model = Llama(CFG)
+    tokens = torch.zeros(2, 5, dtype=torch.long, device="meta")
+    assert model(tokens).device.type == "meta"
+    cache = KVCache(CFG, 2, 8, "meta", torch.float32)
+    assert model(tokens, cache=cache).device.type == "meta"
+    assert model(tokens[:, :1], cache=cache).shape == (2, 1, CFG.vocab_size)
+
+
+def test_a_cache_cannot_be_combined_with_doc_ids():
+    with torch.device("meta"):
+        model = Llama(CFG)
+    tokens = torch.zeros(1, 4, dtype=torch.long, device="meta")
+    cache = KVCache(CFG, 1, 8, "meta", torch.float32)
+    message = "^a KV cache decodes one document per row; doc_ids cannot be combined with it$"
+    with pytest.raises(ValueError, match=message):
+        model(tokens, doc_ids=torch.zeros_like(tokens), cache=cache)
+
+
 def test_sampling_is_reproducible_from_the_seed_and_top_p_zero_is_greedy():
     model, tokens = tiny_model(), prompts()
 

@@ -3,7 +3,7 @@ import torch
 
 from codatrain.model import Llama, get_preset
 from codatrain.model.config import LlamaConfig
-from codatrain.model.llama import IGNORE_INDEX
+from codatrain.model.llama import IGNORE_INDEX, RMSNorm
 
 
 def small_model(dtype=torch.float32, **overrides) -> Llama:
@@ -71,8 +71,37 @@ def test_init_is_seeded_and_llama_style():
 
 def test_sequence_longer_than_model_is_an_error():
     model = small_model(max_seq_len=16)
-    with pytest.raises(ValueError, match="max_seq_len"):
+    with pytest.raises(ValueError, match="sequence length 17 exceeds model.max_seq_len=16"):
         model(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_a_sequence_of_exactly_max_seq_len_tokens_runs():
+    model = small_model(max_seq_len=16)
+    assert model(torch.zeros(1, 16, dtype=torch.long)).shape == (1, 16, model.cfg.vocab_size)
+
+
+def test_rms_norm_of_bf16_takes_its_statistics_in_fp32_and_scales_in_bf16():
+    norm = RMSNorm(256, eps=1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 2.0, 256))
+    x = torch.randn(16, 256, generator=torch.Generator().manual_seed(0)).mul(3).to(torch.bfloat16)
+    xf = x.float()
+    expected = norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+    out = norm(x)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, expected)
+
+
+def test_a_new_model_is_initialised_with_seed_0_unless_built_on_meta(monkeypatch):
+    """On the meta device the trainer initialises after sharding: the constructor must not draw the
+    (possibly billions of) initial values on the CPU."""
+    seeds = []
+    monkeypatch.setattr(Llama, "init_weights", lambda self, seed: seeds.append(seed))
+    with torch.device("meta"):
+        Llama(get_preset("tiny"))
+    assert seeds == []
+    Llama(get_preset("tiny"))
+    assert seeds == [0]
 
 
 def test_param_and_flop_counts_by_hand():

@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from codatrain.kernels import stages
-from codatrain.kernels.stages import BackendUnavailableError, StageBackend, get_backend, load_registered
+from codatrain.kernels.reference import ReferenceStages
+from codatrain.kernels.stages import (
+    BackendUnavailableError,
+    StageBackend,
+    get_backend,
+    is_sm90,
+    load_registered,
+)
 
 PROVIDER = "lazy_test_provider"
 
@@ -46,7 +53,9 @@ def test_provider_that_does_not_register_is_unavailable(provider):
 
 def test_provider_that_fails_to_import_is_unavailable_with_the_reason_and_hint(provider):
     provider("import a_module_that_is_not_installed\n")
-    with pytest.raises(BackendUnavailableError, match="a_module_that_is_not_installed.*cuda extras"):
+    hint = (r"It needs an sm_90 GPU and the cuda extras \(pip install 'codatrain\[cuda\]'\); "
+            r"block\.backend=reference runs anywhere\.")
+    with pytest.raises(BackendUnavailableError, match=rf"a_module_that_is_not_installed'\. {hint}$"):
         get_backend("lazy", "cpu")
 
 
@@ -64,3 +73,38 @@ def test_load_registered_serves_any_registry():
     with pytest.raises(BackendUnavailableError, match=message):
         load_registered("widget", "spare", registry, {"spare": "no.such.module"}, hint="Try X.")
 
+
+
+def test_get_backend_checks_the_device_it_will_run_on_and_names_it_when_refused(monkeypatch):
+    """A bare "cuda" means the current CUDA device (as tensors placed there); an index is kept."""
+    asked = []
+
+    class Probe(ReferenceStages):
+        def unsupported_reason(self, device):
+            asked.append(device)
+            return "not this one" if device.index == 1 else None
+
+    probe = Probe()
+    monkeypatch.setitem(stages._BACKENDS, "probe", probe)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    assert get_backend("probe", "cuda") is probe
+    assert get_backend("probe", torch.device("cuda", 0)) is probe
+    message = r"^stage backend 'probe' cannot run on cuda:1: not this one$"
+    with pytest.raises(BackendUnavailableError, match=message):
+        get_backend("probe", "cuda:1")
+    assert asked == [torch.device("cuda", 2), torch.device("cuda", 0), torch.device("cuda", 1)]
+
+
+def test_is_sm90_asks_the_capability_of_the_device_it_is_given(monkeypatch):
+    capabilities = {0: (8, 0), 1: (9, 0), 2: (10, 0)}
+    asked = []
+
+    def capability(device):
+        asked.append(device)
+        return capabilities[device.index]
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    assert [is_sm90(torch.device("cuda", i)) for i in range(3)] == [False, True, False]
+    assert asked == [torch.device("cuda", i) for i in range(3)]
+    assert not is_sm90(torch.device("cpu"))
+    assert len(asked) == 3  # a CPU device asks no CUDA question
