@@ -75,11 +75,6 @@ def test_sequence_longer_than_model_is_an_error():
         model(torch.zeros(1, 17, dtype=torch.long))
 
 
-def test_a_sequence_of_exactly_max_seq_len_tokens_runs():
-    model = small_model(max_seq_len=16)
-    assert model(torch.zeros(1, 16, dtype=torch.long)).shape == (1, 16, model.cfg.vocab_size)
-
-
 def test_rms_norm_of_bf16_takes_its_statistics_in_fp32_and_scales_in_bf16():
     norm = RMSNorm(256, eps=1e-5).to(torch.bfloat16)
     with torch.no_grad():
