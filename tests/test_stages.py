@@ -115,6 +115,11 @@ def test_backward_stages_in_bf16_write_bf16_activations_and_fp32_statistics(s):
     # fp32 math rounded once: only a different summation order could flip a bf16 rounding.
     assert (out.dx != dx.bfloat16()).float().mean() < 0.01
 
+    logits, dlogits = r(M, V), r(M, V)
+    zdz = s.row_dot(logits, dlogits)
+    assert zdz.dtype == f32
+    torch.testing.assert_close(zdz, (logits.float() * dlogits.float()).sum(-1), rtol=1e-5, atol=1e-5)
+
     tokens = torch.tensor([1, 4, 1, 0])
     grad = s.entry_bwd(r(4, D), tokens, num_embeddings=5)
     assert grad.dtype == bf16 and grad.shape == (5, D)
