@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from model_states import random_canonical_state
 
+from codatrain.kernels.attention import sdpa_attention
+from codatrain.kernels.stages import BackendUnavailableError, get_backend
 from codatrain.model.coda import CodaLlama
 from codatrain.model.config import LlamaConfig, get_preset
 from codatrain.model.llama import IGNORE_INDEX, Llama, lm_loss
@@ -140,6 +142,35 @@ def test_fp64_logits_and_their_gradients_match_eager():
         assert_close_to(grads[n], p.grad, 1e-10, n)
 
 
+def test_fp64_logits_of_a_tied_model_and_their_gradients_match_eager():
+    """Without targets the head is the tied embedding too, and its gradient adds into the embedding's."""
+    cfg = CONFIGS["llama3-tied-L2"]
+    eager, coda = model_pair(cfg, torch.float64)
+    tokens, _ = batch(cfg, 2, 9, ignore=False)
+    logits, expected = coda(tokens), eager(tokens)
+    assert_close_to(logits, expected, 1e-10, "logits")
+    weights = torch.randn_like(logits)
+    (expected * weights).sum().backward()
+    (logits * weights).sum().backward()
+    grads = canonical_grads(coda)
+    for n, p in eager.named_parameters():
+        assert_close_to(grads[n], p.grad, 1e-10, n)
+
+def test_fp32_logits_and_their_gradients_match_eager():
+    """The logits path in fp32 without autocast: its backward stages run in fp32 too (to 2e-5 of
+    each tensor's largest entry, as the loss path's)."""
+    cfg = CONFIGS["gqa2-L3"]
+    eager, coda = model_pair(cfg, torch.float32)
+    tokens, _ = batch(cfg, 2, 9, ignore=False)
+    logits, expected = coda(tokens), eager(tokens)
+    assert_close_to(logits, expected, 2e-5, "logits")
+    weights = torch.randn_like(logits)
+    (expected * weights).sum().backward()
+    (logits * weights).sum().backward()
+    grads = canonical_grads(coda)
+    for n, p in eager.named_parameters():
+        assert_close_to(grads[n], p.grad, 2e-5, n)
+
 def test_fp32_loss_and_gradients_match_eager():
     """fp32: the same math, rounded differently. Loss to 1e-6 relative, gradients to 2e-5 of their
     largest entry (observed: ~1e-7 and ~1e-6)."""
@@ -209,6 +240,23 @@ def test_meta_build_and_seeded_init_equal_eager_init():
     assert not list(coda.buffers())  # nothing that to_empty() would leave uninitialised
 
 
+def test_a_model_built_off_meta_starts_from_the_eager_models_seed_0_weights():
+    """With the default kernels (reference stages, SDPA) and weights."""
+    cfg = CONFIGS["llama3-tied-L2"]
+    coda, state = CodaLlama(cfg), Llama(cfg).state_dict()
+    assert coda.stages is get_backend("reference", "cpu") and coda.attention_fn is sdpa_attention
+    back = canonical_tensors(coda)
+    assert back.keys() == state.keys()
+    for name, tensor in state.items():
+        assert torch.equal(back[name], tensor), name
+
+def test_a_model_refuses_kernels_that_cannot_run_on_its_device():
+    cfg, cpu = CONFIGS["mha-L1"], torch.device("cpu")
+    with pytest.raises(BackendUnavailableError, match="'cute' cannot run on cpu"):
+        CodaLlama(cfg, backend="cute", attention="sdpa", device=cpu)
+    with pytest.raises(BackendUnavailableError, match="'fa4' needs an sm_90 GPU, not cpu"):
+        CodaLlama(cfg, backend="reference", attention="fa4", device=cpu)
+
 def test_blocks_own_every_parameter_once_and_names_are_a_bijection():
     cfg = CONFIGS["mqa6-L5"]
     coda = CodaLlama(cfg, backend="reference", attention="sdpa")
@@ -256,6 +304,15 @@ def test_causal_and_sequence_limit():
     with pytest.raises(ValueError, match="max_seq_len"):
         coda(torch.zeros(1, 17, dtype=torch.long))
 
+
+def test_sequences_up_to_max_seq_len_run_and_other_reductions_are_refused():
+    cfg = CONFIGS["mha-L1"].replace(max_seq_len=8)
+    _, coda = model_pair(cfg, torch.float64)
+    tokens, targets = batch(cfg, 1, 8, ignore=False)
+    with torch.no_grad():
+        assert coda(tokens).shape == (1, 8, cfg.vocab_size)
+        with pytest.raises(ValueError, match="reduction='none' is not mean or sum"):
+            coda(tokens, targets, reduction="none")
 
 def saved_activation_bytes(model, tokens, targets) -> int:
     """Bytes of the tensors autograd keeps from the forward for the backward (each storage once),

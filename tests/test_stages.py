@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F_nn
+from torch.overrides import TorchFunctionMode
 
 from codatrain.kernels.attention import get_attention, sdpa_attention
 from codatrain.kernels.reference import ReferenceStages
@@ -78,6 +80,49 @@ def test_stat_dtypes_for_bf16_inputs(s):
     preact, y = s.gemm_rstd_swiglu(out.h, torch.randn(2 * F, D, **bf16), rstd)
     assert rstd.dtype == torch.float32 and preact.dtype == y.dtype == torch.bfloat16
 
+
+def test_row_scaled_gemms_in_bf16_write_bf16(s):
+    h, rstd = torch.randn(M, D).bfloat16(), torch.rand(M) + 0.5
+    qkv = s.gemm_rstd_rope(h, torch.randn(N_QKV, D).bfloat16(), rstd, torch.arange(M), **ROPE)
+    logits = s.gemm_rstd(h, torch.randn(V, D).bfloat16(), rstd)
+    assert qkv.dtype == logits.dtype == torch.bfloat16
+
+def test_backward_stages_in_bf16_write_bf16_activations_and_fp32_statistics(s):
+    """bf16 inputs: each backward stage rounds its GEMM's product to bf16 once, does its epilogue
+    math in fp32 and writes activations in bf16, statistics in fp32."""
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape) * scale).bfloat16()
+
+    f32, bf16 = torch.float32, torch.bfloat16
+    dout, w_down, preact = r(M, D), r(D, F, scale=F**-0.5), r(M, 2 * F, scale=2.0)
+    dpreact, y, zdz = s.gemm_dswiglu(dout, w_down, preact)
+    assert dpreact.dtype == y.dtype == bf16 and zdz.dtype == f32
+    dy, g, u = (dout @ w_down).float(), preact[:, 0::2].float(), preact[:, 1::2].float()
+    dg, du = dy * u * torch.sigmoid(g) * (1 + g * (1 - torch.sigmoid(g))), dy * F_nn.silu(g)
+    torch.testing.assert_close(zdz, (g * dg + u * du).sum(-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, (F_nn.silu(g) * u).bfloat16(), rtol=0, atol=0)
+
+    qkv, dqkv, positions = r(M, N_QKV), r(M, N_QKV), torch.arange(M)
+    dz, zdz = s.rope_bwd(dqkv, qkv, positions, **ROPE)
+    assert dz.dtype == bf16 and zdz.dtype == f32
+    torch.testing.assert_close(zdz, (qkv.float() * dqkv.float()).sum(-1), rtol=1e-5, atol=1e-5)
+
+    x, gamma, rstd, w_gu, dresidual = r(M, D), r(D), torch.rand(M) + 0.5, r(2 * F, D, scale=D**-0.5), r(M, D)
+    out = s.gemm_rms_bwd(dpreact, w_gu, x, gamma, rstd, zdz, dresidual)
+    assert out.dx.dtype == out.n.dtype == bf16 and out.dgamma_partials.dtype == f32
+    dn, rs = (dpreact @ w_gu).float(), rstd[:, None]
+    dx = rs * (dn * gamma.float() - x.float() * rs * (zdz[:, None] / D)) + dresidual.float()
+    # fp32 math rounded once: only a different summation order could flip a bf16 rounding.
+    assert (out.dx != dx.bfloat16()).float().mean() < 0.01
+
+    logits, dlogits = r(M, V), r(M, V)
+    zdz = s.row_dot(logits, dlogits)
+    assert zdz.dtype == f32
+    torch.testing.assert_close(zdz, (logits.float() * dlogits.float()).sum(-1), rtol=1e-5, atol=1e-5)
+
+    tokens = torch.tensor([1, 4, 1, 0])
+    grad = s.entry_bwd(r(4, D), tokens, num_embeddings=5)
+    assert grad.dtype == bf16 and grad.shape == (5, D)
 
 def test_rope_rotates_adjacent_pairs_and_keeps_v(s):
     h, w, rstd = rand(M, D), rand(N_QKV, D), torch.rand(M, dtype=torch.float64) + 0.5
@@ -180,6 +225,30 @@ def test_lm_head_leaves_its_last_chunks_weight_gradient_to_a_scaled_rounding_pas
     torch.testing.assert_close(dweight, (0.37 * dlogits.t() @ n).float(), rtol=1e-6, atol=1e-7)
 
 
+def test_lm_head_ce_in_bf16_keeps_its_statistics_in_fp32(s):
+    """bf16 activations: the normed rows and the logits are rounded to bf16 once (the GEMMs'
+    operand and result), everything after is fp32: the loss, dγ and dW (dx is written in bf16, and so
+    is the last chunk's dlogits, the operand of the weight-gradient GEMM left to the backward)."""
+    bf16 = {"dtype": torch.bfloat16}
+    x, w_lm = torch.randn(M, D, **bf16), torch.randn(V, D, **bf16)
+    gamma = (1 + 0.3 * torch.randn(D)).bfloat16()
+    targets = torch.randint(0, V, (M,))
+    targets[::4] = IGNORE_INDEX
+    out = s.lm_head_ce(x, gamma, w_lm, targets, eps=EPS, chunk_rows=8)
+    assert out.loss.dtype == out.dgamma.dtype == out.dweight.dtype == torch.float32
+    assert out.dx.dtype == out.last_dlogits.dtype == out.last_n.dtype == torch.bfloat16
+    xs = x.float()
+    n = (xs * torch.rsqrt(xs.square().mean(-1, keepdim=True) + EPS) * gamma.float()).bfloat16()
+    logits = (n @ w_lm.t()).float()
+    valid = targets != IGNORE_INDEX
+    picked = logits.gather(1, targets.clamp(min=0)[:, None])[:, 0]
+    loss = torch.where(valid, logits.logsumexp(-1) - picked, 0.0)
+    torch.testing.assert_close(out.loss, loss, rtol=1e-6, atol=1e-6)
+    dlogits = (logits.softmax(-1) - F_nn.one_hot(targets.clamp(min=0), V)) * valid[:, None]
+    dweight = s.lm_head_dweight(*out[3:], torch.ones(()), torch.float32)
+    torch.testing.assert_close(dweight, dlogits.bfloat16().float().t() @ n.float(), rtol=1e-5, atol=1e-5)
+
+
 def test_logits_backward_stages(s):
     """row_dot → gemm_rms_bwd → wgrad, for the plain row-scaled GEMM (full logits)."""
     leaves, (x, h, rstd) = norm_producer(s)
@@ -211,6 +280,66 @@ def test_entry_backward_stages(s):
         actual = [s.entry_bwd(dx, tokens, num_embeddings=V), dgamma_partials.sum(0), s.wgrad(dz, n)]
     assert_grads(expected, actual)
 
+
+class MatmulShapes(TorchFunctionMode):
+    """Records the operand shapes of every matrix product run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", None) in ("matmul", "__matmul__"):
+            self.shapes.append((tuple(args[0].shape), tuple(args[1].shape)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_lse_head_gives_log_sum_exp_and_target_logit_over_row_chunks(s):
+    """`gemm_rstd_lse` (evaluation's head) in row chunks of 5 (a 5·V logits budget; 37 = 7·5 + 2):
+    per row the log-sum-exp of the row-scaled logits and the target's logit, 0 for an ignored one.
+    Each logits block holds as many whole rows as the budget allows, and at least one."""
+    h, w_lm = rand(M, K, requires_grad=False), rand(V, K, scale=K**-0.5, requires_grad=False)
+    rstd = torch.rand(M, dtype=torch.float64) + 0.5
+    targets = torch.randint(0, V, (M,))
+    targets[::4] = IGNORE_INDEX
+    with MatmulShapes() as recorded:
+        lse, target_logit = s.gemm_rstd_lse(h, w_lm, rstd, targets)
+    assert [a for a, _ in recorded.shapes] == [(5, K)] * 7 + [(2, K)]
+    logits = (h @ w_lm.t()) * rstd[:, None]
+    torch.testing.assert_close(lse, logits.logsumexp(-1), rtol=1e-12, atol=1e-12)
+    valid = targets != IGNORE_INDEX
+    torch.testing.assert_close(target_logit[valid], logits[valid, targets[valid]], rtol=1e-12, atol=1e-12)
+    assert (target_logit[~valid] == 0).all()
+    # A budget below one row: one row at a time. `ignore_index` is honoured.
+    targets = targets.clamp(min=0)
+    targets[1] = 3
+    with MatmulShapes() as recorded:
+        one_row = ReferenceStages(logits_chunk_elements=1).gemm_rstd_lse(h, w_lm, rstd, targets,
+                                                                         ignore_index=3)
+    assert [a for a, _ in recorded.shapes] == [(1, K)] * M
+    torch.testing.assert_close(one_row.lse, lse, rtol=1e-12, atol=1e-12)
+    kept = targets != 3
+    torch.testing.assert_close(one_row.target_logit[kept], logits[kept, targets[kept]], rtol=1e-12,
+                               atol=1e-12)
+    assert (one_row.target_logit[~kept] == 0).all()
+
+def test_wgrad_adds_into_the_given_gradient_in_place(s):
+    dz, a = rand(M, D, requires_grad=False), rand(M, K, requires_grad=False)
+    grad = torch.randn(D, K, dtype=torch.float64)
+    before = grad.clone()
+    out = s.wgrad(dz, a, accumulate_into=grad)
+    assert out is grad
+    torch.testing.assert_close(grad, before + dz.t() @ a, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(s.wgrad(dz, a), dz.t() @ a, rtol=1e-12, atol=1e-12)
+
+
+def test_entry_without_a_dtype_writes_rows_in_the_embedding_dtype(s):
+    embedding, gamma = torch.randn(V, D, dtype=torch.float64), torch.rand(D, dtype=torch.float64) + 0.5
+    tokens = torch.tensor([3, 0, 3, V - 1])
+    x, h, rstd = s.entry(tokens, embedding, gamma, eps=EPS)
+    assert x.dtype == h.dtype == rstd.dtype == torch.float64
+    torch.testing.assert_close(x, embedding[tokens], rtol=0, atol=0)
+    torch.testing.assert_close(h, embedding[tokens] * gamma, rtol=1e-15, atol=0)
 
 def test_entry_casts_rows_not_the_table(s):
     embedding = torch.randn(V, D)
