@@ -126,50 +126,36 @@ def test_loss_without_gradients_equals_the_training_loss():
     assert_close_to(evaluated, coda(tokens, targets), 1e-12, "loss")
 
 
-def test_fp64_logits_and_their_gradients_match_eager():
-    cfg = CONFIGS["gqa2-L3"]
-    eager, coda = model_pair(cfg, torch.float64)
+def assert_logits_path_matches_eager(cfg: LlamaConfig, dtype: torch.dtype, tol: float) -> None:
+    """The logits path (no targets): logits and every parameter gradient of a weighted sum of them
+    against the eager model's, to `tol` of each tensor's largest entry."""
+    eager, coda = model_pair(cfg, dtype)
     tokens, _ = batch(cfg, 2, 9, ignore=False)
-    logits = coda(tokens)
+    logits, expected = coda(tokens), eager(tokens)
     assert logits.shape == (2, 9, cfg.vocab_size)
-    expected = eager(tokens)
-    assert_close_to(logits, expected, 1e-10, "logits")
+    assert_close_to(logits, expected, tol, "logits")
     weights = torch.randn_like(logits)
     (expected * weights).sum().backward()
     (logits * weights).sum().backward()
     grads = canonical_grads(coda)
     for n, p in eager.named_parameters():
-        assert_close_to(grads[n], p.grad, 1e-10, n)
+        assert_close_to(grads[n], p.grad, tol, n)
+
+
+def test_fp64_logits_and_their_gradients_match_eager():
+    assert_logits_path_matches_eager(CONFIGS["gqa2-L3"], torch.float64, 1e-10)
 
 
 def test_fp64_logits_of_a_tied_model_and_their_gradients_match_eager():
     """Without targets the head is the tied embedding too, and its gradient adds into the embedding's."""
-    cfg = CONFIGS["llama3-tied-L2"]
-    eager, coda = model_pair(cfg, torch.float64)
-    tokens, _ = batch(cfg, 2, 9, ignore=False)
-    logits, expected = coda(tokens), eager(tokens)
-    assert_close_to(logits, expected, 1e-10, "logits")
-    weights = torch.randn_like(logits)
-    (expected * weights).sum().backward()
-    (logits * weights).sum().backward()
-    grads = canonical_grads(coda)
-    for n, p in eager.named_parameters():
-        assert_close_to(grads[n], p.grad, 1e-10, n)
+    assert_logits_path_matches_eager(CONFIGS["llama3-tied-L2"], torch.float64, 1e-10)
+
 
 def test_fp32_logits_and_their_gradients_match_eager():
     """The logits path in fp32 without autocast: its backward stages run in fp32 too (to 2e-5 of
     each tensor's largest entry, as the loss path's)."""
-    cfg = CONFIGS["gqa2-L3"]
-    eager, coda = model_pair(cfg, torch.float32)
-    tokens, _ = batch(cfg, 2, 9, ignore=False)
-    logits, expected = coda(tokens), eager(tokens)
-    assert_close_to(logits, expected, 2e-5, "logits")
-    weights = torch.randn_like(logits)
-    (expected * weights).sum().backward()
-    (logits * weights).sum().backward()
-    grads = canonical_grads(coda)
-    for n, p in eager.named_parameters():
-        assert_close_to(grads[n], p.grad, 2e-5, n)
+    assert_logits_path_matches_eager(CONFIGS["gqa2-L3"], torch.float32, 2e-5)
+
 
 def test_fp32_loss_and_gradients_match_eager():
     """fp32: the same math, rounded differently. Loss to 1e-6 relative, gradients to 2e-5 of their
