@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 from codatrain.config import load_config, validate
 from codatrain.kernels.precompile import HOPPER_SMS, KernelCacheError, cache_problems, precompile
 from codatrain.kernels.resolve import resolve_block
+from codatrain.train.hf_io import run_model_config
 from codatrain.train.kernel_cache import kernel_shapes
 
 
@@ -45,7 +46,8 @@ def main(argv: list[str]) -> int | str:
         validate(cfg)
         run = OmegaConf.to_object(cfg)
         # Resolved for the target, a Hopper GPU with the cuda extras (device None).
-        block = resolve_block(run.block.impl, run.block.backend, run.block.attention, None)
+        block = resolve_block(run.block.impl, run.block.backend, run.block.attention, None,
+                              run_model_config(run).head_dim)
         shapes = kernel_shapes(run, block)
     except (ValueError, ConfigCompositionException) as error:
         return f"error: {error}"

@@ -326,3 +326,17 @@ def test_coda_keeps_less_for_backward_than_eager(name, dtype):
     targets = torch.randint(0, cfg.vocab_size, (2, 64))
     coda_bytes, eager_bytes = (saved_activation_bytes(m, tokens, targets) for m in (coda, eager))
     assert 0 < coda_bytes < 0.6 * eager_bytes
+
+
+def test_a_width_the_cute_kernels_cannot_take_is_refused_at_construction():
+    """block=coda on the cute backend names a width that is not whole 16-byte rows when the model
+    is built (on the meta device, as the trainer builds it), before any kernel compiles; the
+    reference backend takes it, and any vocabulary runs on both."""
+    pytest.importorskip("quack")
+    cfg = LlamaConfig(dim=64, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=100, vocab_size=50257)
+    refusal = r"^model.ffn_dim=100 .*\(nearest: 96 or 104\)$"
+    with torch.device("meta"), pytest.raises(ValueError, match=refusal):
+        CodaLlama(cfg, backend="cute", attention="sdpa")
+    with torch.device("meta"):
+        CodaLlama(cfg, backend="reference", attention="sdpa")
+        CodaLlama(cfg.replace(ffn_dim=104), backend="cute", attention="sdpa")

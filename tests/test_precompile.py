@@ -68,6 +68,32 @@ def precompile_script(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.parametrize("overrides, refusal", [
+    (["model.ffn_dim=380"],
+     r"^model.ffn_dim=380 does not run on block.backend=cute: .* \(nearest: 376 or 384\)$"),
+    (["model.n_heads=2", "model.n_kv_heads=1", "model.dim=100"],
+     r"^model.dim=100 does not run on block.backend=cute: .*multiple of 8 \(nearest: 96 or 104\)$"),
+    (["model.n_heads=8", "model.n_kv_heads=2", "model.dim=160"],
+     r"^the head dim \(model.dim / model.n_heads\)=20 does not run on block.backend=cute"),
+    (["model.dim=1024", "model.n_heads=2", "model.n_kv_heads=1", "block.backend=reference"],
+     r"^the head dim \(model.dim / model.n_heads\)=512 does not run on block.attention=fa4, .*"
+     r"block.attention=sdpa takes any$"),
+    # FA4 takes head dim 80 but computes a wrong gradient there (resolve.FA4_HEAD_DIMS).
+    (["model.dim=640", "model.n_heads=8", "model.n_kv_heads=2"],
+     r"^the head dim \(model.dim / model.n_heads\)=80 does not run on block.attention=fa4, which is "
+     r"correct at head dims 32, 64, 96, 128, 160, 192, 224, 256; block.attention=sdpa takes any$"),
+])
+def test_widths_the_kernels_cannot_take_are_refused_before_anything_compiles(overrides, refusal):
+    """A width that is not whole 16-byte rows (or a head dim FA4 lacks) is named, with the nearest
+    that run, where the training job and scripts/precompile.py plan their kernels; any vocabulary
+    and the reference stages with SDPA take them all."""
+    with pytest.raises(ValueError, match=refusal):
+        shapes_of([*CODA_KERNELS, *overrides])
+    assert shapes_of([*CODA_KERNELS, "model.vocab_size=50257"]).vocab_size == 50257
+    sdpa = ["block=coda", "block.backend=reference", "block.attention=sdpa"]
+    assert not shapes_of([*sdpa, *overrides[:3]]).any
+
+
 def test_shapes_of_a_run_config():
     shapes = tiny_shapes()
     assert (shapes.dim, shapes.n_heads, shapes.n_kv_heads, shapes.head_dim) == (128, 4, 2, 32)
@@ -147,10 +173,13 @@ def test_script_check_and_nothing_to_compile(tmp_path):
     not all(importlib.util.find_spec(name) for name in CUDA_EXTRAS),
     reason="needs the cuda extras (nvidia-cutlass-dsl, quack-kernels, flash-attn-4) and triton",
 )
-def test_precompile_tiny_for_sm90a(tmp_path):
-    proc = precompile_script("model=tiny", f"kernels.cache_dir={tmp_path}", "--jobs", "2")
+@pytest.mark.parametrize("vocab", [[], ["model.vocab_size=509"]], ids=["tiny", "odd-vocab"])
+def test_precompile_tiny_for_sm90a(tmp_path, vocab):
+    """The tiny config, and the same with a vocabulary that is not a multiple of 8 (its LM head pads
+    the logits rows; unpadded, the cross-entropy kernel stopped the build with a compiler error)."""
+    proc = precompile_script("model=tiny", *vocab, f"kernels.cache_dir={tmp_path}", "--jobs", "2")
     assert proc.returncode == 0, proc.stderr[-5000:]
-    shapes = tiny_shapes()
+    shapes = shapes_of([*CODA_KERNELS, *vocab])
     entry = read_manifest(tmp_path)["configs"][shapes.key]
     kernels = set(entry["kernels"])
     stages = ("F1 out-proj", "F2 gate/up", "F4 QKV", "LM head linear cross-entropy", "final RMSNorm backward",
@@ -161,7 +190,7 @@ def test_precompile_tiny_for_sm90a(tmp_path):
     assert len(list((tmp_path / "quack").rglob("*.o"))) >= 15
     assert len(list((tmp_path / "fa4").rglob("*.o"))) >= 2
     assert cache_problems(tmp_path, shapes) == []
-    check = precompile_script("--check", "model=tiny", f"kernels.cache_dir={tmp_path}")
+    check = precompile_script("--check", "model=tiny", *vocab, f"kernels.cache_dir={tmp_path}")
     assert check.returncode == 0 and "fits" in check.stdout
 
 

@@ -368,6 +368,12 @@ def test_auto_is_resolved_once_per_device():
     assert resolve_block("coda", "auto", "auto", cpu) == ResolvedBlock("coda", "reference", "sdpa")
     # The precompile target (no device): a Hopper GPU with the cuda extras.
     assert resolve_block("coda", "auto", "auto", None) == ResolvedBlock("coda", "cute", "fa4")
+    # A head dim FA4 computes wrongly: auto attention is SDPA, with a warning; explicit fa4 stays.
+    with pytest.warns(UserWarning, match="block.attention=auto takes sdpa: .* head dim 80"):
+        auto = resolve_block("coda", "auto", "auto", None, head_dim=80)
+    assert auto == ResolvedBlock("coda", "cute", "sdpa")
+    assert resolve_block("coda", "auto", "auto", None, head_dim=128) == ResolvedBlock("coda", "cute", "fa4")
+    assert resolve_block("coda", "auto", "fa4", None, head_dim=80).fa4
     # Explicit names pass through; the eager block runs no CODA kernels.
     assert resolve_block("coda", "cute", "sdpa", cpu) == ResolvedBlock("coda", "cute", "sdpa")
     eager = resolve_block("eager", "auto", "auto", None)

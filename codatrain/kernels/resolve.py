@@ -16,6 +16,17 @@ import torch
 from codatrain.kernels.attention import get_attention
 from codatrain.kernels.stages import BackendUnavailableError, get_backend, is_sm90
 
+# The cute stages move every activation and weight row as 16-byte units of a 16-bit dtype (TMA
+# strides are multiples of 16 bytes, cp.async vectors 4 to 16 bytes), so their widths are
+# multiples of 8 elements. The vocabulary is exempt: real tokenizers leave it ragged, so the
+# LM head pads its logits rows internally (codatrain.kernels.cute.head).
+ROW_MULTIPLE = 8
+# The head dims at which FlashAttention 4 (4.0.0b36) on sm_90 computes attention and its gradient
+# correctly, as tests/gpu/test_cute_forward.py::test_fa4_attention_at_head_dims measured them on an
+# H200: the multiples of 32. It accepts every multiple of 8 up to 256, but its backward is wrong at
+# 16, 48, 80, 104 and 112 (dq, dk, dv errors of 0.6 to 0.7 against SDPA).
+FA4_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+
 
 @dataclass(frozen=True)
 class ResolvedBlock:
@@ -33,15 +44,35 @@ class ResolvedBlock:
         """Whether attention runs as FlashAttention 4 (CuTeDSL kernels too)."""
         return self.attention == "fa4"
 
+    def unsupported_widths(self, dim: int, ffn_dim: int, head_dim: int) -> str | None:
+        """Why this block's kernels cannot run a model of these widths (one line naming the key
+        and the nearest widths that run), or None when they can. Any vocabulary runs."""
+        if self.cute_stages:
+            for key, width in (("model.dim", dim), ("model.ffn_dim", ffn_dim),
+                               ("the head dim (model.dim / model.n_heads)", head_dim)):
+                if width % ROW_MULTIPLE:
+                    below = width - width % ROW_MULTIPLE
+                    nearest = f"{below} or {below + ROW_MULTIPLE}" if below else str(ROW_MULTIPLE)
+                    return (f"{key}={width} does not run on block.backend=cute: its kernels move rows in "
+                            f"16-byte units, so it must be a multiple of {ROW_MULTIPLE} (nearest: {nearest})")
+        if self.fa4 and head_dim not in FA4_HEAD_DIMS:
+            correct = ", ".join(map(str, FA4_HEAD_DIMS))
+            return (f"the head dim (model.dim / model.n_heads)={head_dim} does not run on "
+                    f"block.attention=fa4, which is correct at head dims {correct}; "
+                    "block.attention=sdpa takes any")
+        return None
 
-def resolve_block(impl: str, backend: str, attention: str, device: torch.device | None) -> ResolvedBlock:
+
+def resolve_block(impl: str, backend: str, attention: str, device: torch.device | None,
+                  head_dim: int | None = None) -> ResolvedBlock:
     """The block a run of `impl`/`backend`/`attention` runs on `device`, with ``auto`` decided.
 
     On an sm_90 GPU ``auto`` loads the cute backend and FA4 (importing them) and takes each that
-    loads, warning when the stages fall back; elsewhere it takes reference / sdpa. `device` None
-    stands for the precompile target, an sm_90 GPU with the cuda extras installed: ``auto`` then
-    means the CuTeDSL kernels, and nothing is imported. Explicit names are returned as they are
-    (`build_model` checks that they run on the device).
+    loads, warning when the stages fall back; elsewhere it takes reference / sdpa. Attention
+    ``auto`` also takes sdpa for a `head_dim` (when given) that FA4 does not run correctly
+    (FA4_HEAD_DIMS). `device` None stands for the precompile target, an sm_90 GPU with the cuda
+    extras installed: ``auto`` then means the CuTeDSL kernels, and nothing is imported. Explicit
+    names are returned as they are (`build_model` checks that they run on the device).
     """
     if impl != "coda":
         return ResolvedBlock(impl, None, None)
@@ -57,7 +88,10 @@ def resolve_block(impl: str, backend: str, attention: str, device: torch.device 
                 warnings.warn(f"block.backend=auto falls back to the reference stages: {exc}", stacklevel=2)
     if attention == "auto":
         attention = "sdpa"
-        if hopper:
+        if head_dim is not None and head_dim not in FA4_HEAD_DIMS:
+            warnings.warn(f"block.attention=auto takes sdpa: FlashAttention 4 is not correct at head dim "
+                          f"{head_dim} (only at {', '.join(map(str, FA4_HEAD_DIMS))})", stacklevel=2)
+        elif hopper:
             try:
                 if device is not None:
                     get_attention("fa4", device)

@@ -37,6 +37,7 @@ from codatrain.kernels.attention import (
     documents_from_ids,
     get_attention,
 )
+from codatrain.kernels.resolve import ResolvedBlock
 from codatrain.kernels.stages import IGNORE_INDEX, Rope, StageBackend, get_backend
 from codatrain.model.config import LlamaConfig
 from codatrain.model.init import init_canonical_weights
@@ -415,6 +416,10 @@ class CodaLlama(nn.Module):
         self.cfg = cfg
         self.stages = get_backend(backend, device)
         self.attention_name, self.attention_fn = attention, get_attention(attention, device)
+        block = ResolvedBlock("coda", backend, attention)
+        problem = block.unsupported_widths(cfg.dim, cfg.ffn_dim, cfg.head_dim)
+        if problem:
+            raise ValueError(problem)
         self.entry = CodaEntry(cfg)
         chunk_rows = head_chunk_rows or self.stages.head_chunk_rows(cfg.vocab_size)
         self.layers = nn.ModuleList(

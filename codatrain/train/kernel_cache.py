@@ -27,6 +27,11 @@ def kernel_shapes(run: RunConfig, block: ResolvedBlock) -> KernelShapes:
     """The kernels a job of `run` launches on the resolved `block`: its model widths, micro-batch
     (train.micro_batch_size sequences of data.seq_len tokens) and document masking."""
     cfg = run_model_config(run)
+    # Refused here, before anything compiles: a width the kernels cannot take would otherwise
+    # stop the build with a compiler error.
+    problem = block.unsupported_widths(cfg.dim, cfg.ffn_dim, cfg.head_dim)
+    if problem:
+        raise ValueError(problem)
     return KernelShapes(
         dim=cfg.dim, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
         ffn_dim=cfg.ffn_dim, vocab_size=cfg.vocab_size, batch=run.train.micro_batch_size,
@@ -88,9 +93,11 @@ class KernelCache:
         if "codatrain.kernels.cute" in sys.modules:
             from codatrain.kernels.cute.precompile import kernel_counts
 
-            loaded, compiled = kernel_counts(started)
+            loaded, compiled, names = kernel_counts(started)
             where = f" from {self.cache_dir}" if self.cache_dir is not None else ""
             line += f" | CuTeDSL kernels: {loaded} loaded{where}, {compiled} compiled"
+            if names:
+                line += f" ({', '.join(names)})"
         return line
 
 

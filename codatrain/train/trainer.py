@@ -97,7 +97,8 @@ class Trainer:
         # point the CuTeDSL kernels at kernels.cache_dir, rebuilding it (or failing,
         # kernels.on_stale) when it was not built for this run and software.
         self.kernel_cache = KernelCache(run.kernels.cache_dir, dist_info)
-        self.block = block = resolve_block(run.block.impl, run.block.backend, run.block.attention, device)
+        self.block = block = resolve_block(run.block.impl, run.block.backend, run.block.attention, device,
+                                           self.model_cfg.head_dim)
         shapes = kernel_shapes(run, block)
         self.kernel_cache.ensure(shapes, run.kernels.on_stale)
 

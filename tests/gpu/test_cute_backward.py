@@ -72,6 +72,12 @@ def test_rope_bwd(backends, shape, use_compile, rope):
     assert torch.equal(out.dz[:, v_cols], args[0][:, v_cols])
 
 
+@pytest.mark.parametrize("head_dim", [80, 104])
+def test_rope_bwd_at_head_dims(backends, head_dim, use_compile):
+    shape = Shape(f"hd{head_dim}", 600, 300, 5 * head_dim, 5, 1, head_dim, 1024, 1000)
+    test_rope_bwd(backends, shape, use_compile, "llama3")
+
+
 def test_rope_bwd_inverts_rope_fwd(backends, shape, use_compile):
     """rope_bwd of the forward's RoPE output rotates it back to the unrotated GEMM output."""
     cute, _ = backends
@@ -137,22 +143,22 @@ HEAD_CASES = [
     ("ragged-vocab", 1000, 1024, 50264, 4096, False),  # V not a multiple of 128: base
     ("ragged-rows", 1000, 1024, 128256, 256, True),  # the last chunk padded to 256 rows
     ("odd-rows", 1001, 1024, 50264, 512, False),  # rows padded to a multiple of 8
+    # Vocabularies that are not multiples of 8: logits rows padded internally (GPT-2's, in four
+    # chunks; Llama 2's plus three added tokens, in one).
+    ("gpt2-vocab", 1000, 512, 50257, 256, False),
+    ("vocab32003", 600, 512, 32003, 1024, False),
 ]
 
 
-@pytest.mark.parametrize("case", HEAD_CASES, ids=lambda c: c[0])
-def test_lm_head_ce(backends, case, use_compile):
-    """The training head (final norm, LM head, cross-entropy, all gradients) against the reference;
-    ignored rows get no loss and no gradient."""
-    from codatrain.kernels.cute import head
-
+def check_lm_head_ce(backends, m: int, d: int, v: int, chunk_rows: int, logit_scale: float,
+                     use_compile: bool) -> torch.Tensor:
+    """The training head (final norm, LM head, cross-entropy, all gradients) on logits of about
+    `logit_scale` against the reference; ignored rows get no loss and no gradient. Returns the loss."""
     cute, ref = backends
-    _, m, d, v, chunk_rows, scaled_exp = case
-    assert head.scaled_exp_applies(m, d, v, chunk_rows) == scaled_exp
     targets = torch.randint(0, v, (m,), device=DEVICE)
     ignored = torch.rand(m, device=DEVICE) < 0.1
     targets[ignored] = IGNORE_INDEX
-    args = (randn(m, d), gamma(d), randn(v, d, scale=3 * d**-0.5), targets)
+    args = (randn(m, d), gamma(d), randn(v, d, scale=logit_scale * d**-0.5), targets)
     kwargs = {"eps": 1e-5, "chunk_rows": chunk_rows}
     out = staged(cute.lm_head_ce, use_compile)(*args, **kwargs)
     bf16, fp32 = run_both(ref, "lm_head_ce", *args, **kwargs)
@@ -162,6 +168,40 @@ def test_lm_head_ce(backends, case, use_compile):
     check("dweight", head_dweight(cute, out, torch.bfloat16, use_compile),
           head_dweight(ref, bf16, torch.bfloat16), head_dweight(ref, fp32, torch.float32))
     assert (out.loss[ignored] == 0).all() and (out.dx[ignored] == 0).all()
+    return out.loss
+
+
+@pytest.mark.parametrize("case", HEAD_CASES, ids=lambda c: c[0])
+def test_lm_head_ce(backends, case, use_compile):
+    from codatrain.kernels.cute import head
+
+    _, m, d, v, chunk_rows, scaled_exp = case
+    assert head.scaled_exp_applies(m, d, v, chunk_rows) == scaled_exp
+    # Logits of a few units, as a trained LM head produces.
+    check_lm_head_ce(backends, m, d, v, chunk_rows, 3.0, use_compile)
+
+
+# A scaled-exp shape (V and chunks in 128-row tiles) at logits of magnitude 1e1 to 1e4, per-row
+# losses from tens to tens of thousands of nats.
+@pytest.mark.parametrize("logit_scale", [10.0, 1e2, 1e3, 1e4])
+def test_lm_head_ce_at_large_logits(backends, logit_scale, use_compile):
+    from codatrain.kernels.cute import head
+
+    m, d, v, chunk_rows = 1536, 1024, 32000, 512
+    assert head.scaled_exp_applies(m, d, v, chunk_rows)
+    loss = check_lm_head_ce(backends, m, d, v, chunk_rows, logit_scale, use_compile)
+    assert loss.max() > head.SCALED_EXP_MAX_LOSS or logit_scale == 10.0
+
+
+def test_scaled_exp_is_exact_up_to_its_loss_bound(backends, monkeypatch):
+    """SCALED_EXP_MAX_LOSS is safe: the scaled-exp pipeline, kept even past the bound, meets the
+    criterion on a micro-batch whose largest per-row loss lies just below it."""
+    from codatrain.kernels.cute import head
+
+    kept = []
+    monkeypatch.setattr(head, "scaled_exp_is_exact", lambda loss: kept.append(loss.max().item()) or True)
+    check_lm_head_ce(backends, 1536, 1024, 32000, 512, 7.0, use_compile=False)
+    assert kept and 0.75 * head.SCALED_EXP_MAX_LOSS < max(kept) <= head.SCALED_EXP_MAX_LOSS, kept
 
 
 def test_dgrad(backends, shape, use_compile):

@@ -33,7 +33,7 @@ from codatrain.kernels.attention import get_attention, sdpa_attention  # noqa: E
 from codatrain.kernels.cute import backend as cute_backend  # noqa: E402
 from codatrain.kernels.cute import gemm_stages  # noqa: E402
 from codatrain.kernels.cute.attention import fa4_attention  # noqa: E402
-from codatrain.kernels.resolve import ResolvedBlock, resolve_block  # noqa: E402
+from codatrain.kernels.resolve import FA4_HEAD_DIMS, ResolvedBlock, resolve_block  # noqa: E402
 from codatrain.kernels.stages import IGNORE_INDEX, Rope, get_backend  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -169,13 +169,24 @@ def test_gemm_rstd_lse(backends, shape, use_compile):
 
 
 def test_fa4_attention(shape):
-    batch = shape.tokens // shape.seq_len
-    qkv = randn(batch, shape.seq_len, shape.n_heads + 2 * shape.n_kv_heads, shape.head_dim)
-    dout = randn(batch, shape.seq_len, shape.n_heads, shape.head_dim)
+    check_fa4(shape.tokens // shape.seq_len, shape.seq_len, shape.n_heads, shape.n_kv_heads, shape.head_dim)
+
+
+@pytest.mark.parametrize("head_dim", FA4_HEAD_DIMS)
+def test_fa4_attention_at_head_dims(head_dim):
+    """Every head dim block.attention=fa4 takes (FA4 4.0.0b36's backward is wrong at the others it
+    accepts: 16, 48, 80, 104, 112 measured)."""
+    check_fa4(2, 300, 4, 2, head_dim)
+
+
+def check_fa4(batch: int, seq_len: int, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
+    """FA4's causal attention and its input gradient against SDPA (fp32 truth, bf16 baseline)."""
+    qkv = randn(batch, seq_len, n_heads + 2 * n_kv_heads, head_dim)
+    dout = randn(batch, seq_len, n_heads, head_dim)
 
     def run(fn, dtype):
         leaf = qkv.detach().to(dtype).clone().requires_grad_()
-        q, k, v = leaf.split([shape.n_heads, shape.n_kv_heads, shape.n_kv_heads], dim=2)
+        q, k, v = leaf.split([n_heads, n_kv_heads, n_kv_heads], dim=2)
         out = fn(q, k, v)
         out.backward(dout.to(dtype))
         return out.detach(), leaf.grad
@@ -219,3 +230,28 @@ def test_layer_forward_compiles_without_graph_breaks(backends):
     for a, b in zip(eager, compiled, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
+
+
+def test_head_stages_at_an_odd_vocabulary(backends, use_compile):
+    """GPT-2's vocabulary (not a multiple of 8): full logits (rows padded internally, an (M, V) view
+    returned), the LSE head, and the full-logits head's backward (row dot, norm backward over dlogits)."""
+    cute, ref = backends
+    m, d, v = 1000, 512, 50257
+    h, w, x, g, rstd = randn(m, d), randn(v, d, scale=3 * d**-0.5), randn(m, d), gamma(d), rstd_of(m)
+    logits = staged(cute.gemm_rstd, use_compile)(h, w, rstd)
+    bf16, fp32 = run_both(ref, "gemm_rstd", h, w, rstd)
+    check("logits", logits, bf16, fp32)
+    targets = torch.randint(0, v, (m,), device=DEVICE)
+    out = staged(cute.gemm_rstd_lse, use_compile)(h, w, rstd, targets)
+    bf16, fp32 = run_both(ref, "gemm_rstd_lse", h, w, rstd, targets)
+    check("lse", out.lse, bf16.lse, fp32.lse)
+    check("target_logit", out.target_logit, bf16.target_logit, fp32.target_logit)
+    dlogits = randn(m, v, scale=1e-2)
+    zdz = staged(cute.row_dot, use_compile)(logits, dlogits)
+    bf16, fp32 = run_both(ref, "row_dot", logits, dlogits)
+    check("zdz", zdz, bf16, fp32)
+    args = (dlogits, w, x, g, rstd, fp32)  # the exact zdz
+    out = staged(cute.gemm_rms_bwd, use_compile)(*args)
+    bf16, fp32 = run_both(ref, "gemm_rms_bwd", *args)
+    check("dx", out.dx, bf16.dx, fp32.dx)
+    check("n", out.n, bf16.n, fp32.n)

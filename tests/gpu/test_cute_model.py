@@ -46,11 +46,15 @@ def loss_and_grads(model, tokens, targets) -> tuple[float, dict[str, torch.Tenso
     return loss.item(), grads
 
 
-def compare(case: str, cfg: LlamaConfig, batch: int, seq: int, truth, bf16_baseline, under_test) -> None:
+def compare(case: str, cfg: LlamaConfig, batch: int, seq: int, truth, bf16_baseline, under_test,
+            head_scale: float = 1.0) -> None:
     """Each of (label, make, dtype) built on the meta device, loaded with the same canonical weights
     and run on one batch; `under_test` must be within the tolerances of the module docstring, with
-    `truth` (fp32) as the truth and `bf16_baseline` giving the error bf16 itself causes."""
+    `truth` (fp32) as the truth and `bf16_baseline` giving the error bf16 itself causes.
+    `head_scale` multiplies the LM head's matrix (the embedding, when tied), and so the logits."""
     state = random_canonical_state(cfg, torch.float32, seed=0)
+    head = "embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"
+    state[head] = state[head] * head_scale
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(DEVICE)
     targets = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
@@ -103,3 +107,59 @@ def test_cute_model_with_llama3_rope_and_tied_head_matches_reference(case):
             ("reference-fp32", lambda: CodaLlama(cfg, backend="reference", attention="sdpa"), torch.float32),
             ("reference-bf16", lambda: CodaLlama(cfg, backend="reference", attention="sdpa"), torch.bfloat16),
             ("coda-cute-bf16", lambda: CodaLlama(cfg, backend="cute", attention="fa4"), torch.bfloat16))
+
+
+def against_reference(case: str, cfg: LlamaConfig, batch: int, seq: int, head_scale: float = 1.0,
+                      attention: str = "fa4") -> None:
+    """The cute model against the reference backend: fp32 truth, bf16 baseline."""
+    compare(case, cfg, batch, seq,
+            ("reference-fp32", lambda: CodaLlama(cfg, backend="reference", attention="sdpa"), torch.float32),
+            ("reference-bf16", lambda: CodaLlama(cfg, backend="reference", attention="sdpa"), torch.bfloat16),
+            ("coda-cute-bf16", lambda: CodaLlama(cfg, backend="cute", attention=attention), torch.bfloat16),
+            head_scale)
+
+
+# Widths that are multiples of 8 but of no tile, head dims other than 64 and 128, vocabularies that
+# are not multiples of 8 (GPT-2's, Llama 2's plus three added tokens, a tiny one), and row and
+# sequence counts that are odd. name: (config, batch, sequence length, attention)
+ODD_CASES = {
+    "gpt2-vocab": (LlamaConfig(dim=512, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=1368,
+                               vocab_size=50257, rope_theta=10000.0), 3, 197, "fa4"),
+    "vocab32003-hd96-tied-llama3": (LlamaConfig(dim=480, n_layers=2, n_heads=5, n_kv_heads=1, ffn_dim=1400,
+                                                vocab_size=32003, rope_theta=10000.0).replace(**LLAMA3_TIED),
+                                    2, 300, "fa4"),
+    "hd256": (LlamaConfig(dim=512, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=1024, vocab_size=1000,
+                          rope_theta=10000.0), 1, 129, "fa4"),
+    "hd160-vocab151": (LlamaConfig(dim=640, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=1712, vocab_size=151,
+                                   rope_theta=10000.0), 2, 100, "fa4"),
+    # A head dim FA4 gets wrong (resolve.FA4_HEAD_DIMS): the cute stages with SDPA, as `auto` picks.
+    "hd80-sdpa": (LlamaConfig(dim=640, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=1712, vocab_size=151,
+                              rope_theta=10000.0), 2, 100, "sdpa"),
+}
+
+
+@pytest.mark.parametrize("case", list(ODD_CASES))
+def test_cute_model_at_odd_shapes_matches_reference(case):
+    cfg, batch, seq, attention = ODD_CASES[case]
+    against_reference(case, cfg, batch, seq, attention=attention)
+
+
+# The head at logits of magnitude 1e2 to 1e4 (losses of hundreds to thousands of nats per token,
+# far past the scaled-exp pipeline's exact range): the issue's d 1536 model with head dim 128,
+# llama3 RoPE and a 32000 vocabulary (the scaled-exp shape), tied and untied. The random state's
+# untied head gives logits of about 1 (×scale); the tied one about d = 1536 at the input token.
+LARGE_LOGITS_CFG = LlamaConfig(dim=1536, n_layers=2, n_heads=12, n_kv_heads=4, ffn_dim=4000, vocab_size=32000,
+                               rope_type="llama3", rope_factor=32.0, rope_original_max_positions=64)
+LARGE_LOGITS = {
+    "tied-1e2": (True, 0.1),
+    "tied-1e3": (True, 1.0),
+    "tied-1e4": (True, 6.5),
+    "untied-1e2": (False, 100.0),
+    "untied-1e4": (False, 1e4),
+}
+
+
+@pytest.mark.parametrize("case", list(LARGE_LOGITS))
+def test_cute_model_at_large_logits_matches_reference(case):
+    tied, head_scale = LARGE_LOGITS[case]
+    against_reference(case, LARGE_LOGITS_CFG.replace(tie_embeddings=tied), 2, 256, head_scale)

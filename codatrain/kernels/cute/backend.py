@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from codatrain.kernels.cute import entry, gemm_bwd_stages, gemm_stages, head, rowwise
-from codatrain.kernels.cute.common import empty
+from codatrain.kernels.cute.common import empty, padded_width, rows_of_whole_vectors
 from codatrain.kernels.stages import (
     IGNORE_INDEX,
     DSwigluOut,
@@ -112,7 +112,10 @@ class CuteStages(StageBackend):
 
     def gemm_rstd(self, h: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
         _check_activations("gemm_rstd", h, weight)
-        z = empty(h.shape[0], weight.shape[0], like=h)
+        # Logits rows are TMA stores: a vocabulary that is not a multiple of 8 is written into rows
+        # padded to one, and the (M, V) view is returned.
+        vocab = weight.shape[0]
+        z = empty(h.shape[0], padded_width(vocab), like=h)[:, :vocab]
         gemm_stages.gemm_rstd(h, weight, rstd, z)
         return z
 
@@ -193,6 +196,9 @@ class CuteStages(StageBackend):
     ) -> RmsBwdOut:
         extra = () if residual_grad is None else (residual_grad,)
         _check_activations("gemm_rms_bwd", dz, weight, x, gamma, *extra)
+        # dz is the dgrad's K-major A operand: its rows must be 16-byte TMA rows (the full-logits
+        # head's dlogits over a vocabulary that is not a multiple of 8 are not).
+        dz = rows_of_whole_vectors(dz)
         # The dγ partials follow the kernel's own row tile (the API allows any P_m).
         m, d = x.shape
         tiles = gemm_bwd_stages.rms_bwd_row_tiles(m)

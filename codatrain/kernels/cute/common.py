@@ -11,10 +11,27 @@ import cutlass.cute as cute
 import torch
 from torch import Tensor
 
+from codatrain.kernels.resolve import ROW_MULTIPLE
+
 
 def empty(*shape: int, like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """An uninitialised output on `like`'s device, in `dtype` (default: `like`'s)."""
     return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
+
+
+def padded_width(n: int) -> int:
+    """`n` rounded up to whole 16-byte units of a 16-bit dtype."""
+    return -(-n // ROW_MULTIPLE) * ROW_MULTIPLE
+
+
+def rows_of_whole_vectors(t: Tensor) -> Tensor:
+    """`t` (M, N) itself when its row stride is whole 16-byte units, else a copy as the (M, N) view
+    of zero-padded rows of `padded_width(N)` elements (TMA reads the view; the padding is 0)."""
+    if t.stride(1) == 1 and t.stride(0) % ROW_MULTIPLE == 0:
+        return t
+    padded = t.new_zeros(t.shape[0], padded_width(t.shape[1]))
+    padded[:, : t.shape[1]] = t
+    return padded[:, : t.shape[1]]
 
 
 def aligned16(t: Tensor) -> Tensor:

@@ -11,7 +11,17 @@ Three pieces, all QuACK's:
    pipeline leaves its last chunk's dW GEMM to the backward (`lm_head_dweight`), which runs it
    with the loss gradient as alpha and beta and writes the weight's dtype: the V×d fp32 sum is
    then read once, where adding the last chunk in the forward and scaling in the backward would
-   read it twice and write it twice (QuACK's own autograd function does the same);
+   read it twice and write it twice (QuACK's own autograd function does the same).
+   Any vocabulary: QuACK keeps chunks of logits as (rows, V) TMA and cp.async operands, whose rows
+   must be whole 16-byte units. A vocabulary that is not a multiple of 8 runs the same chunk loop
+   here over logits rows padded to that multiple, the padded columns set to −inf before the
+   cross-entropy, so they never enter the log-sum-exp and their dlogits are 0; the weight and
+   every gradient keep the real V rows.
+   Any logits: the scaled-exp pipeline carries each row's target term at its n-tile's power-of-two
+   offset, e^(L − k_y ln 2), which overflows (and the offset 2^(k_y − k_r) underflows bf16) once a
+   row's loss nears 88 nats: every gradient then comes out NaN. A micro-batch with a loss past
+   SCALED_EXP_MAX_LOSS is recomputed on the base pipeline, whose dlogits are formed in fp32 at any
+   magnitude. The check costs one host sync per micro-batch (tens of microseconds);
 3. its RMSNorm-backward row kernel on dn, which forms the ZdZ row sum Σ n·dn itself.
 The op is functional (QuACK allocates its outputs), with a fake for torch.compile.
 """
@@ -19,17 +29,24 @@ The op is functional (QuACK allocates its outputs), with a fake for torch.compil
 from __future__ import annotations
 
 import torch
+from quack.cross_entropy import cross_entropy_fwd_out
 from quack.gemm_interface import gemm, gemm_add, gemm_add_inplace
 from quack.linear_cross_entropy import chunked_linear_cross_entropy_fwd, scaled_exp_linear_cross_entropy_fwd
 from quack.rmsnorm import rmsnorm_fwd
 from quack.rmsnorm_config import get_sm_count
 from torch import Tensor
 
+from codatrain.kernels.cute.common import ROW_MULTIPLE, padded_width
+
 # The scaled-exp pipeline pads its last chunk to whole 128-row tiles and tiles the vocabulary by
 # 128 rows in its weight-gradient GEMM; the base pipeline's GEMMs need rows in multiples of 8
 # (16-byte TMA rows of bf16).
 SCALED_EXP_TILE = 128
 BASE_ROWS = 8
+# The largest per-row loss (nats) at which the scaled-exp pipeline is exact: its target term
+# e^(L - k_y ln 2) ≤ e^loss stays far below fp32's e^88.7 and the tile offset 2^(k_y - k_r) far
+# above bf16's 2^-133 (the tile offsets k are rounded log2 units).
+SCALED_EXP_MAX_LOSS = 64.0
 
 
 def chunk_heights(rows: int, chunk_rows: int, multiple: int) -> set[int]:
@@ -78,10 +95,66 @@ def _base_pipeline(n: Tensor, weight: Tensor, targets: Tensor, chunk_rows: int,
     rows = _base_rows(n.shape[0])
     # Padded rows are zeros with ignored targets: no loss and no gradient.
     n_pad, targets_pad = _padded(n, rows, 0.0), _padded(targets, rows, ignore_index)
+    if weight.shape[0] % ROW_MULTIPLE:
+        return _padded_vocab_pipeline(n_pad, weight, targets_pad, chunk_rows, ignore_index)
     loss, dn, dweight, last_dlogits, last_n = chunked_linear_cross_entropy_fwd(
         n_pad, weight, targets_pad, chunk_rows, ignore_index, tuned=False
     )
     return [loss, dn, *([] if dweight is None else [dweight]), last_dlogits, last_n]
+
+
+def _padded_vocab_pipeline(n: Tensor, weight: Tensor, targets: Tensor, chunk_rows: int,
+                           ignore_index: int) -> list[Tensor]:
+    """The base pipeline's chunk loop (cuBLAS logits and dn GEMMs, QuACK's cross-entropy row kernel
+    and dW GEMMs) for a vocabulary that is not a multiple of 8, over logits rows padded to 16
+    bytes: the GEMMs see the (rows, V) view, the padded columns are −inf before the cross-entropy
+    (outside its log-sum-exp; their dlogits come out 0). The dW sum runs over the whole padded
+    width and is returned as its first V rows; the pending last chunk's dlogits as the (rows, V)
+    view, whose padded row stride the weight-gradient GEMM reads by TMA."""
+    vocab = weight.shape[0]
+    loss = torch.empty(n.shape[0], dtype=torch.float32, device=n.device)
+    dn = torch.empty_like(n)
+    logits = torch.empty(min(chunk_rows, n.shape[0]), padded_width(vocab), dtype=n.dtype, device=n.device)
+    chunks = list(zip(*(t.split(chunk_rows) for t in (n, targets, loss, dn)), strict=True))
+    dweight = None
+    for i, (n_chunk, target_chunk, loss_chunk, dn_chunk) in enumerate(chunks):
+        dlogits = logits[: n_chunk.shape[0]]
+        torch.mm(n_chunk, weight.T, out=dlogits[:, :vocab])
+        dlogits[:, vocab:] = float("-inf")
+        # The cross-entropy writes dlogits = softmax − onehot in place of the logits.
+        cross_entropy_fwd_out(dlogits, target_chunk, None, loss_chunk, None, dlogits, None, ignore_index)
+        torch.mm(dlogits[:, :vocab], weight, out=dn_chunk)
+        if i == len(chunks) - 1:
+            break
+        if dweight is None:
+            dweight = gemm(dlogits.T, n_chunk, out_dtype=torch.float32, tuned=False)
+        else:
+            gemm_add_inplace(dlogits.T, n_chunk, dweight, tuned=False)
+    return [loss, dn, *([] if dweight is None else [dweight[:vocab]]), dlogits[:, :vocab], n_chunk]
+
+
+def last_dlogits_like(rows: int, vocab_size: int, like: Tensor) -> Tensor:
+    """An empty tensor laid out as the base pipeline's pending dlogits: (rows, V), rows padded to
+    16 bytes (`_padded_vocab_pipeline`)."""
+    return torch.empty_strided((rows, vocab_size), (padded_width(vocab_size), 1), dtype=like.dtype,
+                               device=like.device)
+
+
+def scaled_exp_is_exact(loss: Tensor) -> bool:
+    """Whether a scaled-exp result holds (SCALED_EXP_MAX_LOSS); a host sync."""
+    return bool(loss.max() <= SCALED_EXP_MAX_LOSS)
+
+
+def summed_base_pipeline(n: Tensor, weight: Tensor, targets: Tensor, chunk_rows: int,
+                         ignore_index: int) -> list[Tensor]:
+    """[loss, dn, dW] on the base pipeline with the last chunk's dW added (fp32), shaped as the
+    scaled-exp pipeline returns them."""
+    loss, dn, *parts = _base_pipeline(n, weight, targets, chunk_rows, ignore_index)
+    *summed, last_dlogits, last_n = parts
+    if not summed:
+        return [loss, dn, gemm(last_dlogits.T, last_n, out_dtype=torch.float32, tuned=False)]
+    gemm_add_inplace(last_dlogits.T, last_n, summed[0], tuned=False)
+    return [loss, dn, summed[0]]
 
 
 def linear_cross_entropy(n: Tensor, weight: Tensor, targets: Tensor, chunk_rows: int,
@@ -89,7 +162,10 @@ def linear_cross_entropy(n: Tensor, weight: Tensor, targets: Tensor, chunk_rows:
     """[loss, dn, *dW parts] of Σ cross-entropy(n·Wᵀ) over QuACK's pipelines, the dW parts as
     `dweight_parts` says (loss and dn may carry padded rows past n's)."""
     if scaled_exp_applies(n.shape[0], n.shape[1], weight.shape[0], chunk_rows):
-        return list(scaled_exp_linear_cross_entropy_fwd(n, weight, targets, chunk_rows, ignore_index))
+        parts = scaled_exp_linear_cross_entropy_fwd(n, weight, targets, chunk_rows, ignore_index)
+        if scaled_exp_is_exact(parts[0]):
+            return list(parts)
+        return summed_base_pipeline(n, weight, targets, chunk_rows, ignore_index)
     return _base_pipeline(n, weight, targets, chunk_rows, ignore_index)
 
 
@@ -116,7 +192,7 @@ def _(x, gamma, weight, targets, eps, chunk_rows, ignore_index):
     if summed:
         outs.append(weight.new_empty(weight.shape, dtype=torch.float32))
     if last_rows:
-        outs += [x.new_empty(last_rows, vocab_size), x.new_empty(last_rows, d)]
+        outs += [last_dlogits_like(last_rows, vocab_size, x), x.new_empty(last_rows, d)]
     return outs
 
 

@@ -219,8 +219,12 @@ def head_kernels(s: KernelShapes) -> list[KernelSpec]:
 
     def linear_cross_entropy() -> object:
         lce = quack.linear_cross_entropy
+        # Where the scaled-exp pipeline applies, the base one compiles too: a micro-batch whose
+        # loss is past its exact range reruns there (head.SCALED_EXP_MAX_LOSS).
         with mock.patch.object(lce, "lce_glue", lambda *args, **kwargs: None), \
-                mock.patch.object(lce, "cross_entropy_fwd_out", cross_entropy_compile_only):
+                mock.patch.object(lce, "cross_entropy_fwd_out", cross_entropy_compile_only), \
+                mock.patch.object(head, "cross_entropy_fwd_out", cross_entropy_compile_only), \
+                mock.patch.object(head, "scaled_exp_is_exact", lambda loss: False):
             return head.linear_cross_entropy(_act(m, d), _act(vocab, d), _index(m), rows, IGNORE_INDEX)
 
     summed, last_rows = head.dweight_parts(m, d, vocab, rows)
@@ -228,8 +232,9 @@ def head_kernels(s: KernelShapes) -> list[KernelSpec]:
     def pending_dweight() -> object:
         # The backward's GEMM of the base pipeline's last chunk (`lm_head_dweight`), scaled by the
         # loss gradient and rounded to the weight's dtype.
-        return head.lm_head_dweight(_stat(vocab, d) if summed else None, _act(last_rows, vocab),
-                                    _act(last_rows, d), _stat(), ACT)
+        return head.lm_head_dweight(_stat(vocab, d) if summed else None,
+                                    head.last_dlogits_like(last_rows, vocab, _act(1)), _act(last_rows, d),
+                                    _stat(), ACT)
 
     return [
         KernelSpec("final RMSNorm", lambda: _compile_rmsnorm_fwd(bf16, bf16, None, bf16, None, None, d, True,
@@ -398,13 +403,22 @@ def jit_compilers() -> list[Callable]:
     found: dict[int, Callable] = {}
     for name, module in list(sys.modules.items()):
         if name.split(".")[0] == "quack" or name.startswith("codatrain.kernels.cute"):
-            for value in list(vars(module).values()):
+            for value in _functions_and_static_methods(module):
                 # A jit_cache wrapper: one kernel per key in `cache`, and QuACK's CacheInfo counts.
                 info = getattr(value, "cache_info", None)
                 if isinstance(getattr(value, "cache", None), dict) and callable(info):
                     if isinstance(info(), CacheInfo):
                         found[id(value)] = value
     return list(found.values())
+
+
+def _functions_and_static_methods(module: object) -> list[object]:
+    """A module's members, and the static methods of the classes it defines (QuACK keeps some
+    compile functions there, e.g. `CrossEntropy.compile`)."""
+    members = list(vars(module).values())
+    classes = [m for m in members if isinstance(m, type) and m.__module__ == module.__name__]
+    methods = [v.__func__ for cls in classes for v in vars(cls).values() if isinstance(v, staticmethod)]
+    return members + methods
 
 
 def fa4_caches() -> list:
@@ -416,14 +430,18 @@ def fa4_caches() -> list:
     return list({id(cache): cache for cache in caches if cache is not None}.values())
 
 
-def kernel_counts(since: float) -> tuple[int, int]:
-    """(kernels loaded from disk, kernels compiled) by this process, started at wall-clock time
-    `since`, over QuACK's compile functions and FA4's compile caches."""
+def kernel_counts(since: float) -> tuple[int, int, list[str]]:
+    """(kernels loaded from disk, kernels compiled, what compiled: a compile function's name and
+    its count, e.g. "CrossEntropy.compile ×2") by this process, started at wall-clock time `since`,
+    over QuACK's compile functions and FA4's compile caches."""
     loaded = compiled = 0
+    names = []
     for compiler in jit_compilers():
         info = compiler.cache_info()
         loaded += info.currsize - info.misses
         compiled += info.misses
+        if info.misses:
+            names.append(f"{compiler.__qualname__} ×{info.misses}")
     for cache in fa4_caches():
         # FA4 does not count. With its disk cache on, it exports every kernel it compiles, so
         # this process's compiles are the objects written since it started.
@@ -433,7 +451,9 @@ def kernel_counts(since: float) -> tuple[int, int]:
             fresh = min(fresh, written)
         compiled += fresh
         loaded += len(cache.cache) - fresh
-    return loaded, compiled
+        if fresh:
+            names.append(f"FA4 {Path(getattr(cache, 'cache_path', 'kernel')).name} ×{fresh}")
+    return loaded, compiled, names
 
 
 # ---- the compile process ----------------------------------------------------------------------
