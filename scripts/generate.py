@@ -3,9 +3,10 @@
     python scripts/generate.py runs/tiny-eager/checkpoints/step_300 --prompt "The Python"
     python scripts/generate.py exports/tiny --prompt "def " --temperature 0.8 --top-p 0.9 --seed 1
 
-Greedy by default (--temperature 0). The tokenizer is the folder's own when it holds one
-(tokenizer.json or tokenizer_config.json), else the byte tokenizer; --tokenizer names another
-(`byte`, a tokenizer.json or a tokenizer folder), as `data.tokenizer` does in training.
+Greedy by default (--temperature 0). The tokenizer is the one the weights were trained with: the
+one a training checkpoint records, or an HF folder's own (tokenizer.json or tokenizer_config.json),
+else the byte tokenizer; --tokenizer names another (`byte`, a tokenizer.json or a tokenizer folder),
+as `data.tokenizer` does in training.
 """
 
 import argparse
@@ -13,11 +14,11 @@ import sys
 
 import torch
 
-from codatrain.data.tokenizer import folder_tokenizer, load_tokenizer
+from codatrain.data.tokenizer import load_tokenizer
 from codatrain.model import Llama
 from codatrain.model.generate import generate
 from codatrain.train.checkpoint import CheckpointError, inspect_checkpoint
-from codatrain.train.hf_io import is_checkpoint, load_init_weights, saved_architecture
+from codatrain.train.hf_io import is_checkpoint, load_init_weights, saved_architecture, saved_tokenizer
 
 
 def load_model(path: str, device: str) -> Llama:
@@ -47,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="byte | a tokenizer.json or tokenizer folder (default: see above)")
     args = parser.parse_args(argv)
     try:
-        tokenizer = load_tokenizer(args.tokenizer or folder_tokenizer(args.path))
+        tokenizer_spec = args.tokenizer or saved_tokenizer(args.path) or "byte"
+        tokenizer = load_tokenizer(tokenizer_spec)
+        print(f"tokenizer: {tokenizer_spec}", file=sys.stderr)
         model = load_model(args.path, args.device)
     except (CheckpointError, ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
