@@ -15,7 +15,7 @@ from codatrain.data.tokenizer import load_tokenizer
 from codatrain.model import Llama, LlamaConfig
 from codatrain.model.generate import generate
 from codatrain.model.hf import save_hf
-from codatrain.train.checkpoint import inspect_checkpoint
+from codatrain.train.checkpoint import CheckpointError, inspect_checkpoint
 from codatrain.train.distributed import init_distributed
 from codatrain.train.hf_io import run_tokenizer
 from codatrain.train.trainer import Trainer, train
@@ -141,3 +141,13 @@ def test_a_checkpoint_keeps_its_tokenizer_for_init_from_and_generate(tmp_path, c
     assert [words[i] for i in prompt] == ["<s>", "what", "is"]
     tokens = generate(model, torch.tensor([prompt]), 3, eos_id=kept.eos_id)
     assert out == kept.decode(tokens[0].tolist()) + "\n"
+
+
+def test_resuming_with_another_tokenizer_is_refused(tmp_path):
+    save_word_tokenizer(tmp_path)
+    options = [*FAST, "train.tokens_per_step=64", f"train.run_dir={tmp_path / 'run'}"]
+    train(load_config(options))
+    with pytest.raises(CheckpointError, match=rf"step_1 was trained with the tokenizer byte, this run's is "
+                                              rf"{tmp_path / 'tokenizer.json'}: resume with the same"):
+        trainer(tmp_path, f"data.tokenizer={tmp_path / 'tokenizer.json'}", "train.steps=2")
+    trainer(tmp_path, "data.tokenizer=byte", "train.steps=2").close()  # the same one, named

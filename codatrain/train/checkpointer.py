@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from codatrain.config import CheckpointConfig
+from codatrain.data.tokenizer import load_tokenizer
 from codatrain.model.config import LlamaConfig
 from codatrain.train.canonical_state import CanonicalMapping, full_canonical_tensors
 from codatrain.train.checkpoint import (
@@ -95,7 +96,16 @@ class Checkpointer:
         return str(path)
 
     def load(self, path: Path) -> int:
-        """Load everything from a checkpoint directory; returns its step."""
+        """Load everything from a checkpoint directory; returns its step. A checkpoint trained with
+        another tokenizer than this run's is a CheckpointError: its data state and weights belong
+        to that tokenizer's ids."""
+        recorded = inspect_checkpoint(path, verify=False).get("tokenizer")
+        if recorded is not None and recorded["fingerprint"] != load_tokenizer(self.tokenizer).fingerprint:
+            raise CheckpointError(
+                f"{path} was trained with the tokenizer {recorded['source']}, this run's is "
+                f"{self.tokenizer}: resume with the same data.tokenizer, or start a new run from its weights "
+                "(checkpoint.init_from) with another train.run_dir"
+            )
         return load_checkpoint(path, self.model_cfg, self.model, self.optimizer, self.scheduler, self.loaders,
                                self.mapping, self.log)
 
