@@ -185,8 +185,8 @@ class DataConfig:
     text_column: str = "text"  # json / parquet / hub column holding the document text
     text_sample_by: TextSampleBy = TextSampleBy.document  # plain-text files: what one document is
     max_documents: int | None = None  # use only the first N documents of the source
-    # byte | a local HF tokenizer.json or tokenizer folder; null: the tokenizer of the
-    # checkpoint.init_from folder when it has one (the weights were trained with it), else byte
+    # byte | a local HF tokenizer.json or tokenizer folder; null: the tokenizer checkpoint.init_from
+    # was trained with (a checkpoint's record, an HF folder's own) where known, else byte
     tokenizer: str | None = None
     seq_len: int = 128
     keep_document_boundaries: bool = False  # batches carry per-token document ids (Batch.doc_ids)

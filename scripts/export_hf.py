@@ -4,8 +4,9 @@
     python scripts/export_hf.py <checkpoint_dir> <out_dir> --dtype bfloat16 --max-shard-size 2GB
 
 The result loads with `transformers.LlamaForCausalLM.from_pretrained(out_dir)` and, for finetuning,
-with `python scripts/train.py checkpoint.init_from=<out_dir>`. Files other than config.json and the
-weights (a tokenizer copied in, say) are left alone.
+with `python scripts/train.py checkpoint.init_from=<out_dir>`. config.json and generation_config.json
+name the BOS and EOS ids of the tokenizer the checkpoint was trained with, and a Hugging Face
+tokenizer's files are written beside the weights (`AutoTokenizer`, `pipeline` load the folder).
 """
 
 import argparse

@@ -2,10 +2,16 @@
 
     python scripts/generate.py runs/tiny-eager/checkpoints/step_300 --prompt "The Python"
     python scripts/generate.py exports/tiny --prompt "def " --temperature 0.8 --top-p 0.9 --seed 1
+    python scripts/generate.py runs/tiny-sft/checkpoints/step_100 --chat --prompt "What is 2 plus 3?"
 
-Greedy by default (--temperature 0). The tokenizer is the folder's own when it holds one
-(tokenizer.json or tokenizer_config.json), else the byte tokenizer; --tokenizer names another
-(`byte`, a tokenizer.json or a tokenizer folder), as `data.tokenizer` does in training.
+Greedy by default (--temperature 0). The tokenizer is the one the weights were trained with: the
+one a training checkpoint records, or an HF folder's own (tokenizer.json or tokenizer_config.json),
+else the byte tokenizer; --tokenizer names another (`byte`, a tokenizer.json or a tokenizer folder),
+as `data.tokenizer` does in training.
+
+--chat asks for the assistant's reply to the prompt as a user message, rendered as fine-tuning
+renders conversations (data=sft): with the tokenizer's chat template where it has one, else the
+plain template; it prints the reply only.
 """
 
 import argparse
@@ -13,11 +19,12 @@ import sys
 
 import torch
 
-from codatrain.data.tokenizer import folder_tokenizer, load_tokenizer
+from codatrain.data.sft import generation_prompt
+from codatrain.data.tokenizer import load_tokenizer
 from codatrain.model import Llama
 from codatrain.model.generate import generate
 from codatrain.train.checkpoint import CheckpointError, inspect_checkpoint
-from codatrain.train.hf_io import is_checkpoint, load_init_weights, saved_architecture
+from codatrain.train.hf_io import is_checkpoint, load_init_weights, saved_architecture, saved_tokenizer
 
 
 def load_model(path: str, device: str) -> Llama:
@@ -45,22 +52,47 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--tokenizer", default=None,
                         help="byte | a tokenizer.json or tokenizer folder (default: see above)")
+    parser.add_argument("--chat", action="store_true",
+                        help="the prompt is a user message; print the assistant's reply (see above)")
     args = parser.parse_args(argv)
     try:
-        tokenizer = load_tokenizer(args.tokenizer or folder_tokenizer(args.path))
+        check_device(args.device)
+        tokenizer_spec = args.tokenizer or saved_tokenizer(args.path) or "byte"
+        tokenizer = load_tokenizer(tokenizer_spec)
+        if args.chat:
+            prompt_ids, template = generation_prompt([{"role": "user", "content": args.prompt}],
+                                                     tokenizer_spec, tokenizer)
+        else:
+            prompt_ids = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+            prompt_ids += tokenizer.encode_batch([args.prompt])[0].tolist()
+        print(f"tokenizer: {tokenizer_spec}" + (f", {template}" if args.chat else ""), file=sys.stderr)
         model = load_model(args.path, args.device)
     except (CheckpointError, ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    prompt_ids = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-    prompt_ids += tokenizer.encode_batch([args.prompt])[0].tolist()
     generator = torch.Generator(args.device).manual_seed(args.seed)
     tokens = generate(
         model, torch.tensor([prompt_ids], device=args.device), args.max_new_tokens,
         temperature=args.temperature, top_p=args.top_p, generator=generator, eos_id=tokenizer.eos_id,
-    )
-    print(tokenizer.decode(tokens[0].tolist()))  # decoded whole: a word tokenizer spaces the joint
+    )[0].tolist()
+    # Decoded whole (a word tokenizer spaces the joint), or the reply alone.
+    print(tokenizer.decode(tokens[len(prompt_ids):] if args.chat else tokens))
     return 0
+
+
+def check_device(device: str) -> None:
+    """ValueError, in one line, for a device this machine does not have (before any is touched)."""
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"--device {device}: {error}") from None
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"--device {device}: no CUDA device is available here; use --device cpu")
+        if parsed.index is not None and parsed.index >= count:
+            raise ValueError(f"--device {device}: this machine has {count} CUDA device(s), cuda:0 to "
+                             f"cuda:{count - 1}")
 
 
 if __name__ == "__main__":

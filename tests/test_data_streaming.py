@@ -5,8 +5,10 @@ bad rows named and skipped or fatal, and token directories independent of the pr
 import gzip
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -126,6 +128,59 @@ def test_kill_and_resume_of_a_streaming_run_matches_the_uninterrupted_run(tmp_pa
     resumed = train(load_config([*options, f"train.run_dir={tmp_path / 'cut'}", "checkpoint.every=2"]))
     assert resumed.losses == {s: full.losses[s] for s in range(3, 9)}
     assert resumed.val_losses == {s: full.val_losses[s] for s in (4, 6, 8)}
+
+
+def children_of(pid: int) -> list[int]:
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # a process that ended meanwhile
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return children
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie, dead but not yet reaped, is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="workers die with their parent through Linux's prctl")
+def test_a_killed_streaming_run_leaves_no_workers_and_resumes(tmp_path):
+    """SIGKILL of a trainer whose DataLoader workers are blocked on a full pipe (batches larger than
+    its 64 KiB): the workers die with it, and the run resumes from its checkpoint."""
+    corpus(tmp_path / "c", per_file=100)
+    options = [o for o in FAST if not o.startswith(("data=", "data.num_workers", "data.seq_len",
+                                                    "train.micro_batch_size", "train.tokens_per_step"))]
+    options += ["data=files", f"data.path={tmp_path / 'c'}", "data.streaming=true", "data.num_workers=2",
+                "data.val_fraction=0", "data.seq_len=1024", "train.micro_batch_size=4",
+                "model.n_layers=1", f"train.run_dir={tmp_path / 'run'}", "checkpoint.every=1"]
+    trainer = subprocess.Popen([sys.executable, str(REPO / "scripts/train.py"), *options, "train.steps=1000"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        while not (tmp_path / "run/checkpoints/step_2").is_dir():
+            assert trainer.poll() is None, trainer.stderr.read()
+            time.sleep(0.2)
+        workers = children_of(trainer.pid)
+        assert len(workers) == 2
+    finally:
+        trainer.kill()
+        trainer.wait()
+    deadline = time.monotonic() + 10
+    while any(alive(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    orphans = [w for w in workers if alive(w)]
+    for orphan in orphans:
+        os.kill(orphan, signal.SIGKILL)
+    assert not orphans
+    resumed = train(load_config([*options, "train.steps=3"]))
+    assert list(resumed.losses) == [3]
 
 
 def documents_of(stream: np.ndarray) -> list[str]:

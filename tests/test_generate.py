@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_sft import chat_tokenizer
 
 from codatrain.config import load_config
 from codatrain.data.tokenizer import ByteTokenizer, load_tokenizer
@@ -204,3 +205,39 @@ def test_tokenizers_decode_what_they_encode(tmp_path):
     save_word_tokenizer(tmp_path)
     hf = load_tokenizer(str(tmp_path / "tokenizer.json"))
     assert hf.decode([*hf.encode_batch(["hello world"])[0].tolist(), hf.eos_id]) == "hello world"
+
+
+def test_chat_renders_the_prompt_as_fine_tuning_does_and_prints_the_reply(tmp_path, capsys):
+    script = load_script()
+    model = tiny_model()
+    save_hf(tmp_path / "chat", CFG, model.state_dict().items())
+    words = chat_tokenizer(tmp_path / "chat")  # a chat template: <|im_start|>role content<|im_end|>
+    save_hf(tmp_path / "plain", CFG, model.state_dict().items())  # no tokenizer: bytes, the plain template
+    ids = {word: i for i, word in words.items()}
+    chat = [ids[w] for w in ("<|im_start|>", "user", "what", "is", "two", "<|im_end|>", "<|im_start|>",
+                             "assistant")]
+    byte = ByteTokenizer()
+    plain = [byte.bos_id, *b"<|user|>\nwhat is two", byte.eos_id, *b"<|assistant|>\n"]
+    cases = [(tmp_path / "chat", chat, load_tokenizer(str(tmp_path / "chat")),
+              "the tokenizer's chat template"), (tmp_path / "plain", plain, byte, "the plain template")]
+    for folder, prompt, tokenizer, template in cases:
+        assert script.main([str(folder), "--chat", "--prompt", "what is two", "--max-new-tokens", "5",
+                            "--device", "cpu"]) == 0
+        out, err = capsys.readouterr()
+        assert f"tokenizer: {folder if tokenizer is not byte else 'byte'}, {template}" in err
+        tokens = generate(model, torch.tensor([prompt]), 5, eos_id=tokenizer.eos_id)[0].tolist()
+        assert out == tokenizer.decode(tokens[len(prompt):]) + "\n"
+
+
+def test_a_device_this_machine_lacks_is_one_line(tmp_path, capsys, monkeypatch):
+    script = load_script()
+    save_hf(tmp_path, CFG, tiny_model().state_dict().items())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert script.main([str(tmp_path), "--device", "cuda"]) == 1
+    assert capsys.readouterr().err == ("error: --device cuda: no CUDA device is available here; use --device "
+                                       "cpu\n")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert script.main([str(tmp_path), "--device", "cuda:2"]) == 1
+    assert capsys.readouterr().err == ("error: --device cuda:2: this machine has 2 CUDA device(s), cuda:0 to "
+                                       "cuda:1\n")

@@ -6,14 +6,18 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from test_data_sources import word_tokenizer
+from test_sft import chat_tokenizer
+from transformers import AutoTokenizer, LlamaForCausalLM, pipeline
 from transformers import LlamaConfig as HFLlamaConfig
-from transformers import LlamaForCausalLM
 
 from codatrain.config import CheckpointConfig
+from codatrain.data.tokenizer import load_tokenizer
 from codatrain.model import Llama, get_preset
+from codatrain.model.generate import generate
 from codatrain.model.hf import INDEX_NAME, config_from_hf, config_to_hf, save_hf
 from codatrain.train.checkpointer import Checkpointer
-from codatrain.train.hf_io import load_hf_weights
+from codatrain.train.hf_io import export_checkpoint_to_hf, load_hf_weights
 
 # GQA (4 query heads over 2 KV heads), odd vocab, rope θ and eps that differ from HF defaults.
 CFG = get_preset("tiny").replace(n_layers=2, vocab_size=301, rope_theta=5000.0, norm_eps=1e-5)
@@ -404,3 +408,44 @@ def test_export_script_turns_a_training_checkpoint_into_a_transformers_model(tmp
     assert export_hf.main([str(step_dir), str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
     assert LlamaForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
     assert export_hf.main([str(tmp_path / "run"), str(tmp_path / "x")]) == 1  # not a checkpoint
+
+
+@pytest.mark.parametrize("kind", ["folder", "tokenizer.json", "byte"])
+def test_an_export_names_the_tokenizers_delimiters_and_carries_a_hugging_face_tokenizer(tmp_path, kind):
+    """config.json and generation_config.json name the run's BOS and EOS (transformers would assume 1
+    and 2), and a Hugging Face tokenizer's files go along, so that AutoTokenizer and pipeline load the
+    export as it is: offline and live exports alike."""
+    if kind == "folder":
+        chat_tokenizer(tmp_path / "tok")
+        spec = str(tmp_path / "tok")
+    elif kind == "tokenizer.json":  # a bare file names no delimiters; transformers gets them named
+        word_tokenizer(["<s>", "</s>"])[0].save(str(tmp_path / "words.json"))
+        spec = str(tmp_path / "words.json")
+    else:
+        spec = "byte"
+    tokenizer = load_tokenizer(spec)
+    assert (tokenizer.bos_id, tokenizer.eos_id) not in ((1, 2), (None, 2))
+    model = ours().eval()
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    ckpt = Checkpointer(CheckpointConfig(), tmp_path / "run", CFG, model, optimizer, scheduler, {}, print,
+                        tokenizer=spec)
+    export_checkpoint_to_hf(ckpt.save(1), tmp_path / "hf")
+    for out in (tmp_path / "hf", ckpt.export_hf(1)):
+        delimiters = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+        assert json.loads((out / "config.json").read_text()).items() >= delimiters.items()
+        assert json.loads((out / "generation_config.json").read_text()) == delimiters
+        generation = LlamaForCausalLM.from_pretrained(out).generation_config
+        assert (generation.bos_token_id, generation.eos_token_id) == tuple(delimiters.values())
+        if kind == "byte":  # no Hugging Face form
+            assert not list(out.glob("tokenizer*"))
+            continue
+        auto = AutoTokenizer.from_pretrained(out)
+        assert (auto.bos_token_id, auto.eos_token_id) == tuple(delimiters.values())
+        prompt = "what is two plus"
+        ids = tokenizer.encode_batch([prompt])[0].tolist()
+        assert auto(prompt, add_special_tokens=False)["input_ids"] == ids
+        expected = generate(model, torch.tensor([ids]), 6, eos_id=tokenizer.eos_id)[0].tolist()
+        generated = pipeline("text-generation", model=str(out))(prompt, max_new_tokens=6, do_sample=False,
+                                                                 return_tensors=True)
+        assert generated[0]["generated_token_ids"] == expected

@@ -2,16 +2,23 @@
 codatrain checkpoint's manifest), contradicting overrides named, and the folder's tokenizer as the
 default data.tokenizer."""
 
+import json
+import shutil
+
 import pytest
 import torch
-from test_generate import save_word_tokenizer
+from test_generate import load_script, save_word_tokenizer
+from test_sft import chat_tokenizer
 
 from codatrain.config import load_config, validate
+from codatrain.data.tokenizer import load_tokenizer
 from codatrain.model import Llama, LlamaConfig
+from codatrain.model.generate import generate
 from codatrain.model.hf import save_hf
+from codatrain.train.checkpoint import CheckpointError, inspect_checkpoint
 from codatrain.train.distributed import init_distributed
-from codatrain.train.hf_io import run_data_config
-from codatrain.train.trainer import Trainer
+from codatrain.train.hf_io import run_tokenizer
+from codatrain.train.trainer import Trainer, train
 
 # A Llama 3.2-like folder in miniature: llama3 RoPE, tied head, eps and θ unlike our defaults.
 FOLDER_CFG = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=300,
@@ -75,11 +82,11 @@ def test_the_folders_tokenizer_is_the_default_and_a_vocabulary_that_does_not_fit
     with_tokenizer = tmp_path / "hf"
     save_word_tokenizer(with_tokenizer)
     run = validate(load_config(["model=hf", f"checkpoint.init_from={with_tokenizer}"]))
-    assert run.data.tokenizer is None and run_data_config(run).tokenizer == str(with_tokenizer)
+    assert run.data.tokenizer is None and run_tokenizer(run)[0] == str(with_tokenizer)
     chosen = validate(load_config(["model=hf", f"checkpoint.init_from={with_tokenizer}",
                                    "data.tokenizer=byte"]))
-    assert run_data_config(chosen).tokenizer == "byte"
-    assert run_data_config(validate(load_config([]))).tokenizer == "byte"  # no folder: bytes
+    assert run_tokenizer(chosen)[0] == "byte"
+    assert run_tokenizer(validate(load_config([])))[0] == "byte"  # no folder: bytes
 
     small = tmp_path / "small"  # 3 token ids in the model, 4 in the folder's tokenizer
     hf_folder(small, LlamaConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32, vocab_size=3))
@@ -89,3 +96,58 @@ def test_the_folders_tokenizer_is_the_default_and_a_vocabulary_that_does_not_fit
     with pytest.raises(ValueError, match=too_many):
         trainer(tmp_path, "model=hf", f"checkpoint.init_from={small}", "data=files",
                 f"data.path={tmp_path / 'text.txt'}", f"data.cache_dir={tmp_path / 'cache'}")
+
+
+def test_a_checkpoint_keeps_its_tokenizer_for_init_from_and_generate(tmp_path, capsys):
+    """Continued pretraining from an HF folder with a tokenizer, then SFT and generation from that
+    run's checkpoint: both use the folder's tokenizer (its chat template too), which the checkpoint
+    carries, unless data.tokenizer / --tokenizer names another; the header says which is in force."""
+    hf_folder(tmp_path / "hf")
+    words = chat_tokenizer(tmp_path / "hf")
+    (tmp_path / "text.txt").write_text("what is two plus two\n" * 50)
+    train(load_config([*FAST, "model=hf", f"checkpoint.init_from={tmp_path / 'hf'}", "data=files",
+                       f"data.path={tmp_path / 'text.txt'}", f"data.cache_dir={tmp_path / 'cache'}",
+                       "data.val_fraction=0", "train.tokens_per_step=64",
+                       f"train.run_dir={tmp_path / 'cpt'}"]))
+    checkpoint = tmp_path / "cpt/checkpoints/step_1"
+    manifest = inspect_checkpoint(checkpoint)  # the tokenizer's files are checksummed with the rest
+    assert manifest["tokenizer"] == {"source": str(tmp_path / "hf"), "folder": "tokenizer",
+                                     "fingerprint": load_tokenizer(str(tmp_path / "hf")).fingerprint}
+    assert {"tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json",
+            "tokenizer/chat_template.jinja"} <= manifest["files"].keys()
+    shutil.rmtree(tmp_path / "hf")  # the checkpoint needs the folder no more
+
+    records = [{"prompt": "what is two plus two", "response": "four"}] * 20
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    sft = ["model=hf", f"checkpoint.init_from={checkpoint}", "data=sft",
+           f"data.path={tmp_path / 'sft.jsonl'}", "data.val_fraction=0"]
+    run = trainer(tmp_path / "sft", *sft)
+    assert run.tokenizer_line == (f"tokenizer: {checkpoint / 'tokenizer'} (the one checkpoint.init_from="
+                                  f"{checkpoint} was trained with)")
+    assert "the tokenizer's chat template" in run.train_data.report
+    run.close()
+    run = trainer(tmp_path / "sft-bytes", *sft, "data.tokenizer=byte", "data.seq_len=128")
+    assert run.tokenizer_line == (f"tokenizer: byte (data.tokenizer), not {checkpoint / 'tokenizer'}, which "
+                                  f"checkpoint.init_from={checkpoint} was trained with")
+    run.close()
+
+    capsys.readouterr()
+    assert load_script().main([str(checkpoint), "--prompt", "what is", "--max-new-tokens", "3"]) == 0
+    out, err = capsys.readouterr()
+    assert f"tokenizer: {checkpoint / 'tokenizer'}" in err
+    model = load_script().load_model(str(checkpoint), "cpu")
+    kept = load_tokenizer(str(checkpoint / "tokenizer"))
+    prompt = [kept.bos_id, *kept.encode_batch(["what is"])[0].tolist()]
+    assert [words[i] for i in prompt] == ["<s>", "what", "is"]
+    tokens = generate(model, torch.tensor([prompt]), 3, eos_id=kept.eos_id)
+    assert out == kept.decode(tokens[0].tolist()) + "\n"
+
+
+def test_resuming_with_another_tokenizer_is_refused(tmp_path):
+    save_word_tokenizer(tmp_path)
+    options = [*FAST, "train.tokens_per_step=64", f"train.run_dir={tmp_path / 'run'}"]
+    train(load_config(options))
+    with pytest.raises(CheckpointError, match=rf"step_1 was trained with the tokenizer byte, this run's is "
+                                              rf"{tmp_path / 'tokenizer.json'}: resume with the same"):
+        trainer(tmp_path, f"data.tokenizer={tmp_path / 'tokenizer.json'}", "train.steps=2")
+    trainer(tmp_path, "data.tokenizer=byte", "train.steps=2").close()  # the same one, named

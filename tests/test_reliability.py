@@ -270,6 +270,11 @@ def test_a_second_job_on_a_run_dir_is_refused_and_a_dead_jobs_lock_does_not_stic
         with pytest.raises(RunDirError, match=rf"in use by another training job \(pid {os.getpid()} on "), \
                 RunDirLock(tmp_path, True):
             pass
+        # The refusal left the lock held (a record lock goes with any descriptor the process closes).
+        other = subprocess.run(
+            [sys.executable, "-c", "from codatrain.train.run_lock import RunDirLock; "
+             f"RunDirLock({str(tmp_path)!r}, True).__enter__()"], capture_output=True, text=True)
+        assert f"in use by another training job (pid {os.getpid()} on " in other.stderr
     with RunDirLock(tmp_path, True):  # released at the end of the first
         pass
     # A job killed with SIGKILL while it holds the lock.
@@ -286,6 +291,27 @@ def test_a_second_job_on_a_run_dir_is_refused_and_a_dead_jobs_lock_does_not_stic
         holder.wait()
     with RunDirLock(tmp_path, True):
         pass
+
+
+def test_a_child_forked_by_the_lock_holder_does_not_keep_the_lock_when_the_holder_dies(tmp_path):
+    # A DataLoader worker is such a child: it may outlive a trainer killed with SIGKILL.
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import os, time; from codatrain.train.run_lock import RunDirLock; "
+         f"lock = RunDirLock({str(tmp_path)!r}, True).__enter__(); child = os.fork(); "
+         "time.sleep(600) if child == 0 else print(child, flush=True); time.sleep(600)"],
+        stdout=subprocess.PIPE, text=True)
+    child = int(holder.stdout.readline())
+    try:
+        with pytest.raises(RunDirError, match=f"pid {holder.pid}"), RunDirLock(tmp_path, True):
+            pass
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+        os.kill(child, 0)  # the child lives on
+        with RunDirLock(tmp_path, True):
+            pass
+    finally:
+        holder.kill()
+        os.kill(child, signal.SIGKILL)
 
 
 # ---- D9: file modes -------------------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from codatrain.data.streaming import BoundedValidation, StreamLoader, StreamWind
 from codatrain.data.token_cache import tokenize_source
 from codatrain.data.token_shards import TokenShards, open_token_dir
 from codatrain.data.tokenizer import Tokenizer, load_tokenizer
+from codatrain.data.workers import worker_init_fn
 
 # Windows in each split of the synthetic source: far more than any benchmark reads in an epoch.
 SYNTHETIC_WINDOWS = 1 << 20
@@ -103,6 +104,7 @@ class PackedLoader:
         loader = torch.utils.data.DataLoader(
             self.dataset, batch_sampler=self._index_batches(position), collate_fn=collate,
             num_workers=self.num_workers, pin_memory=self.device.type == "cuda",
+            worker_init_fn=worker_init_fn(),
         )
         for batch in loader:
             if generation != self._generation:

@@ -48,6 +48,7 @@ from codatrain.data.token_cache import is_held_out
 from codatrain.data.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant")
+PLAIN_HEADER = "<|{role}|>\n"  # the plain template's text before a message's content
 _JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
 
 Messages = list[dict[str, str]]
@@ -126,7 +127,7 @@ def plain_encoder(tokenizer: Tokenizer) -> Encoder:
     bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
 
     def encode(messages: Messages, where: str) -> Example:
-        headers = tokenizer.encode_batch([f"<|{m['role']}|>\n" for m in messages])
+        headers = tokenizer.encode_batch([PLAIN_HEADER.format(role=m["role"]) for m in messages])
         contents = tokenizer.encode_batch([m["content"] for m in messages])
         tokens, is_target = [np.asarray(bos, dtype=np.int64)], [np.zeros(len(bos), dtype=bool)]
         for message, header, content in zip(messages, headers, contents, strict=True):
@@ -174,16 +175,39 @@ def chat_template_encoder(hf_tokenizer: Any) -> Encoder:
     return encode
 
 
-def make_encoder(cfg: DataConfig, tokenizer: Tokenizer) -> tuple[Encoder, str]:
-    """The encoder of `cfg` and the name of its template, for the run's report."""
-    folder = Path(cfg.tokenizer or "byte")
-    if cfg.sft_template == SFTTemplate.auto and (folder / "tokenizer_config.json").is_file():
+def templated_tokenizer(spec: str | None, template: SFTTemplate) -> Any | None:
+    """The transformers tokenizer whose chat template renders conversations: that of tokenizer
+    folder `spec` when it has a chat template and `template` is auto, else None (the plain one)."""
+    folder = Path(spec or "byte")
+    if template == SFTTemplate.auto and (folder / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
 
         hf_tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
         if hf_tokenizer.chat_template:
-            return chat_template_encoder(hf_tokenizer), "the tokenizer's chat template"
+            return hf_tokenizer
+    return None
+
+
+def make_encoder(cfg: DataConfig, tokenizer: Tokenizer) -> tuple[Encoder, str]:
+    """The encoder of `cfg` and the name of its template, for the run's report."""
+    hf_tokenizer = templated_tokenizer(cfg.tokenizer, cfg.sft_template)
+    if hf_tokenizer is not None:
+        return chat_template_encoder(hf_tokenizer), "the tokenizer's chat template"
     return plain_encoder(tokenizer), "the plain template"
+
+
+def generation_prompt(messages: Messages, spec: str | None, tokenizer: Tokenizer,
+                      template: SFTTemplate = SFTTemplate.auto) -> tuple[list[int], str]:
+    """The tokens that ask for the assistant's next turn after `messages`, rendered as fine-tuning
+    renders conversations (`templated_tokenizer`'s chat template with its generation prompt, or the
+    plain template then the assistant's header), and the name of the template."""
+    hf_tokenizer = templated_tokenizer(spec, template)
+    if hf_tokenizer is not None:
+        text = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return hf_tokenizer(text, add_special_tokens=False)["input_ids"], "the tokenizer's chat template"
+    tokens = plain_encoder(tokenizer)(messages, "the prompt").tokens.tolist()
+    header = tokenizer.encode_batch([PLAIN_HEADER.format(role="assistant")])[0].tolist()
+    return tokens + header, "the plain template"
 
 
 # ---- packing -----------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from codatrain.data.packing import Batch, PackedWindows, Window, collate
 from codatrain.data.sources import Source, held_out_by_content, stream_texts
 from codatrain.data.token_shards import TokenShards, frame_document
 from codatrain.data.tokenizer import load_tokenizer
+from codatrain.data.workers import worker_init_fn
 
 # Rows tokenized at once: enough for encode_batch to be efficient, few enough that the packing
 # buffer a checkpoint holds (the rest of the last chunk) stays small.
@@ -176,7 +177,8 @@ class StreamLoader:
         self.dataset.start_batches, self.dataset.start_states = self.batches, list(self.states)
         loader = torch.utils.data.DataLoader(self.dataset, batch_size=None, collate_fn=_as_is,
                                              num_workers=self.num_workers,
-                                             pin_memory=self.device.type == "cuda")
+                                             pin_memory=self.device.type == "cuda",
+                                             worker_init_fn=worker_init_fn())
         for batch, reader, state in loader:
             if generation != self._generation:
                 raise RuntimeError(f"the {self.name} loader's state was loaded during iteration; "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
 from typing import Protocol
 
@@ -83,6 +84,10 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._backend.decode(ids, skip_special_tokens=True)
 
+    def token(self, token_id: int) -> str:
+        """The text of one token id, as the vocabulary writes it."""
+        return self._backend.id_to_token(token_id)
+
 
 def _from_file(file: Path) -> tuple[object, int | None, int | None]:
     try:
@@ -111,6 +116,45 @@ def _from_folder(folder: Path) -> tuple[object, int | None, int | None]:
 def load_tokenizer(spec: str | None) -> Tokenizer:
     """`byte` (or None), or a local tokenizer.json / Hugging Face tokenizer folder."""
     return ByteTokenizer() if spec in (None, "byte") else HFTokenizer(spec)
+
+
+# The files a Hugging Face tokenizer folder may hold (transformers' names); a checkpoint keeps a
+# copy of those its tokenizer has, and an HF export carries them.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt")
+
+
+def tokenizer_files(spec: str) -> dict[str, Path]:
+    """The files that make up tokenizer `spec`, by their name in a tokenizer folder: none for
+    `byte`, a bare tokenizer.json (whatever its name) as tokenizer.json, or a folder's files."""
+    if spec == "byte":
+        return {}
+    path = Path(spec)
+    if path.is_file():
+        return {"tokenizer.json": path}
+    return {name: path / name for name in TOKENIZER_FILES if (path / name).is_file()}
+
+
+def save_hf_tokenizer(spec: str, out_dir: str | os.PathLike) -> bool:
+    """Write tokenizer `spec` into `out_dir` as a folder that `transformers.AutoTokenizer` loads, with
+    the delimiters codatrain uses; False for the byte tokenizer, which has no Hugging Face form."""
+    files = tokenizer_files(spec)
+    if not files:
+        return False
+    if "tokenizer_config.json" in files:
+        for name, source in files.items():
+            shutil.copyfile(source, Path(out_dir) / name)
+        return True
+    from transformers import PreTrainedTokenizerFast
+
+    # A bare tokenizer.json: transformers needs its delimiters named in a tokenizer_config.json.
+    tokenizer = HFTokenizer(files["tokenizer.json"])
+    delimiters = {"eos_token": tokenizer.token(tokenizer.eos_id)}
+    if tokenizer.bos_id is not None:
+        delimiters["bos_token"] = tokenizer.token(tokenizer.bos_id)
+    hf_tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(files["tokenizer.json"]), **delimiters)
+    hf_tokenizer.save_pretrained(out_dir)
+    return True
 
 
 def folder_tokenizer(folder: str | os.PathLike | None) -> str | None:

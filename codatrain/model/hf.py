@@ -14,6 +14,7 @@ import json
 import os
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,16 @@ from codatrain.model.config import ROPE_SCALING_FIELDS, LlamaConfig
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default `max_shard_size="5GB"`
+
+
+@dataclass(frozen=True)
+class Delimiters:
+    """The token ids that begin (None: no such token) and end a document."""
+
+    bos_id: int | None
+    eos_id: int
 
 # Buffers that some HF checkpoints carry; they are recomputed from the config, not weights.
 _IGNORED_HF_KEYS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
@@ -50,11 +60,14 @@ def _rope_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
     return {"rope_type": cfg.rope_type.value, **{_HF_ROPE_KEYS[name]: getattr(cfg, name) for name in used}}
 
 
-def config_to_hf(cfg: LlamaConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """The config.json of a `LlamaForCausalLM` with the same architecture as `cfg`."""
+def config_to_hf(cfg: LlamaConfig, dtype: torch.dtype = torch.float32,
+                 delimiters: Delimiters | None = None) -> dict[str, Any]:
+    """The config.json of a `LlamaForCausalLM` with the same architecture as `cfg`, and the token
+    ids of its tokenizer's `delimiters` (without them transformers assumes BOS 1 and EOS 2)."""
     dtype_name = str(dtype).removeprefix("torch.")
     rope = _rope_to_hf(cfg)
-    return {
+    ids = {} if delimiters is None else {"bos_token_id": delimiters.bos_id, "eos_token_id": delimiters.eos_id}
+    return {**ids,
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": cfg.dim,
@@ -185,8 +198,10 @@ def save_hf(
     tensors: Iterable[tuple[str, torch.Tensor]],
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    delimiters: Delimiters | None = None,
 ) -> None:
-    """Write an HF Llama directory (config.json + safetensors) from canonical (name, tensor) pairs.
+    """Write an HF Llama directory (config.json + safetensors) from canonical (name, tensor) pairs;
+    with the tokenizer's `delimiters`, config.json and generation_config.json name them.
 
     `tensors` is consumed lazily and exactly once, in order, so a caller can gather one tensor at a
     time; at most one shard of HF tensors is held in memory. One shard is written as
@@ -231,8 +246,11 @@ def save_hf(
     if len(written) > 1:
         index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
         (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-    hf_config = config_to_hf(cfg, seen_dtype or torch.float32)
+    hf_config = config_to_hf(cfg, seen_dtype or torch.float32, delimiters)
     (out / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2) + "\n")
+    if delimiters is not None:  # what transformers' generate() stops at
+        generation = {"bos_token_id": delimiters.bos_id, "eos_token_id": delimiters.eos_id}
+        (out / GENERATION_CONFIG_NAME).write_text(json.dumps(generation, indent=2) + "\n")
     # safetensors creates its files mode 0600; give them the mode open() gave config.json (the
     # umask's), as every other output has.
     mode = (out / CONFIG_NAME).stat().st_mode & 0o777

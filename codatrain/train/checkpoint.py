@@ -6,8 +6,11 @@ A checkpoint is a directory `<run_dir>/checkpoints/step_<n>/`:
         model.<canonical name>                     the parameters
         optim.<canonical name>.<state>             the optimizer state (exp_avg, exp_avg_sq, step)
     rank_<r:05d>.json                              per-rank state: data loaders, RNG
+    tokenizer/                                     a copy of the files of the run's tokenizer
+                                                   (none for the byte tokenizer)
     checkpoint.json                                the manifest, written last: step, world size,
-                                                   model config, LR schedule, optimizer
+                                                   model config, tokenizer (its source and
+                                                   fingerprint), LR schedule, optimizer
                                                    hyperparameters, the size and blake2b
                                                    checksum of every file
 
@@ -16,6 +19,10 @@ whichever block implementation trained them, so block=eager and block=coda resum
 checkpoints. DCP's Hugging Face storage layer writes them as safetensors with each shard's offsets
 in the file header: loading reshards onto any number of processes, and nothing is unpickled (the
 rest of the state is JSON; DCP's default format would pickle its index and non-tensor values).
+
+The tokenizer travels with the weights: readers of a checkpoint (`init_from`, generation, export)
+take `tokenizer/` (or the byte tokenizer) unless told otherwise. Checkpoints written before it was
+recorded have no `tokenizer` key; their tokenizer is unknown.
 
 Resuming restores the optimizer's hyperparameters and the LR schedule from the checkpoint (as
 torch's own optimizer state dicts do), so changed `optim.*` values take effect only in a fresh run.
@@ -66,10 +73,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from codatrain.data.tokenizer import load_tokenizer, tokenizer_files
 from codatrain.model.config import LlamaConfig
 from codatrain.train.canonical_state import CanonicalMapping, Entry, canonical_state, state_entries
 from codatrain.train.checkpoint_files import (
     CHECKSUM,
+    copy_file,
     dcp_load,
     dcp_save,
     file_checksum,
@@ -78,6 +87,7 @@ from codatrain.train.checkpoint_files import (
 
 CHECKPOINTS_DIR = "checkpoints"
 MANIFEST = "checkpoint.json"
+TOKENIZER_DIR = "tokenizer"
 FORMAT = "codatrain-checkpoint"
 FORMAT_VERSION = 2  # 2 added a checksum per file; version 1 checkpoints are still read
 READABLE_VERSIONS = (1, 2)
@@ -306,10 +316,12 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 # ---- a whole training state ----------------------------------------------------------------------
 def write_checkpoint(directory: Path, step: int, model_cfg: LlamaConfig, model: nn.Module,
                      optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-                     loaders: Mapping[str, Stateful], mapping: CanonicalMapping) -> None:
-    """Every rank writes its tensors and state into the existing `directory`; then rank 0 writes
-    the manifest, last, with every rank's file sizes and checksums. An error on any rank is
-    raised on every rank (as a CheckpointError), so none waits for the others forever."""
+                     loaders: Mapping[str, Stateful], mapping: CanonicalMapping,
+                     tokenizer: str = "byte") -> None:
+    """Every rank writes its tensors and state into the existing `directory`; then rank 0 copies
+    the files of `tokenizer` (a data.tokenizer spec) and writes the manifest, last, with every
+    file's size and checksum. An error on any rank is raised on every rank (as a
+    CheckpointError), so none waits for the others forever."""
     rank = process_rank()
     tensors, param_groups = canonical_state(model, optimizer, mapping)
     written: dict[str, dict[str, Any]] = {}
@@ -334,14 +346,38 @@ def write_checkpoint(directory: Path, step: int, model_cfg: LlamaConfig, model: 
         raise CheckpointError(errors[0]) from error
     if rank == 0:
         files = {name: record for rank_written, _ in outcomes for name, record in rank_written.items()}
+        tokenizer_record, files_of_tokenizer = _save_tokenizer(directory, tokenizer)
         manifest = {
             "format": FORMAT, "version": FORMAT_VERSION, "step": step, "world_size": _world_size(),
-            "model_config": dataclasses.asdict(model_cfg),
+            "model_config": dataclasses.asdict(model_cfg), "tokenizer": tokenizer_record,
             "scheduler": scheduler.state_dict(),
             "optimizer_param_groups": param_groups,
-            "files": dict(sorted(files.items())),
+            "files": dict(sorted((files | files_of_tokenizer).items())),
         }
         write_json(directory / MANIFEST, manifest)
+
+
+def _save_tokenizer(directory: Path, spec: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """Copy the files of tokenizer `spec` into `directory/tokenizer/`: the manifest's record of the
+    tokenizer, and the files written with their sizes and checksums."""
+    files = tokenizer_files(spec)
+    written = {}
+    if files:
+        (directory / TOKENIZER_DIR).mkdir()
+        for name, source in files.items():
+            written[f"{TOKENIZER_DIR}/{name}"] = copy_file(source, directory / TOKENIZER_DIR / name)
+    record = {"source": spec if spec == "byte" else str(Path(spec).resolve()),
+              "fingerprint": load_tokenizer(spec).fingerprint, "folder": TOKENIZER_DIR if files else None}
+    return record, written
+
+
+def checkpoint_tokenizer(path: str | os.PathLike, manifest: Mapping[str, Any]) -> str | None:
+    """The tokenizer a checkpoint was trained with, as a data.tokenizer spec (its `tokenizer/`
+    copy, or `byte`); None for a checkpoint written before tokenizers were recorded."""
+    record = manifest.get("tokenizer")
+    if record is None:
+        return None
+    return "byte" if record["folder"] is None else str(Path(path) / record["folder"])
 
 
 def load_checkpoint(path: Path, model_cfg: LlamaConfig, model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -110,6 +110,16 @@ def write_json(path: Path, obj: Any) -> dict[str, Any]:
     return {"bytes": len(data), CHECKSUM: hashlib.blake2b(data).hexdigest()}
 
 
+def copy_file(source: Path, path: Path) -> dict[str, Any]:
+    """Copy `source` to `path`; returns the copy's size and checksum."""
+    data = source.read_bytes()
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"bytes": len(data), CHECKSUM: hashlib.blake2b(data).hexdigest()}
+
+
 def file_checksum(path: Path) -> str:
     digest = hashlib.blake2b()
     with open(path, "rb") as f:

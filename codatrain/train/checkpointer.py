@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from codatrain.config import CheckpointConfig
+from codatrain.data.tokenizer import load_tokenizer
 from codatrain.model.config import LlamaConfig
-from codatrain.model.hf import save_hf
 from codatrain.train.canonical_state import CanonicalMapping, full_canonical_tensors
 from codatrain.train.checkpoint import (
     CHECKPOINTS_DIR,
@@ -33,7 +33,7 @@ from codatrain.train.checkpoint import (
     write_checkpoint,
 )
 from codatrain.train.distributed import barrier, decide_on_rank0, first_error_of_any_rank
-from codatrain.train.hf_io import is_checkpoint, load_init_weights
+from codatrain.train.hf_io import is_checkpoint, load_init_weights, save_hf_with_tokenizer
 
 HF_EXPORTS_DIR = "hf"
 
@@ -45,8 +45,9 @@ class Checkpointer:
     def __init__(self, cfg: CheckpointConfig, run_dir: str | os.PathLike, model_cfg: LlamaConfig,
                  model: nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, loaders: Mapping[str, Stateful],
-                 log: Log) -> None:
+                 log: Log, tokenizer: str = "byte") -> None:
         self.cfg, self.model_cfg = cfg, model_cfg
+        self.tokenizer = tokenizer  # the data.tokenizer spec the run trains with, saved with its weights
         self.run_dir = Path(run_dir)
         self.root = self.run_dir / CHECKPOINTS_DIR
         self.model, self.optimizer, self.scheduler, self.loaders = model, optimizer, scheduler, loaders
@@ -95,7 +96,16 @@ class Checkpointer:
         return str(path)
 
     def load(self, path: Path) -> int:
-        """Load everything from a checkpoint directory; returns its step."""
+        """Load everything from a checkpoint directory; returns its step. A checkpoint trained with
+        another tokenizer than this run's is a CheckpointError: its data state and weights belong
+        to that tokenizer's ids."""
+        recorded = inspect_checkpoint(path, verify=False).get("tokenizer")
+        if recorded is not None and recorded["fingerprint"] != load_tokenizer(self.tokenizer).fingerprint:
+            raise CheckpointError(
+                f"{path} was trained with the tokenizer {recorded['source']}, this run's is "
+                f"{self.tokenizer}: resume with the same data.tokenizer, or start a new run from its weights "
+                "(checkpoint.init_from) with another train.run_dir"
+            )
         return load_checkpoint(path, self.model_cfg, self.model, self.optimizer, self.scheduler, self.loaders,
                                self.mapping, self.log)
 
@@ -119,7 +129,7 @@ class Checkpointer:
         error: Exception | None = None
         try:
             write_checkpoint(tmp, step, self.model_cfg, self.model, self.optimizer, self.scheduler,
-                             self.loaders, self.mapping)
+                             self.loaders, self.mapping, self.tokenizer)
             if process_rank() == 0:
                 replace_dir(tmp, final)
         except (CheckpointError, OSError) as save_error:
@@ -166,13 +176,14 @@ class Checkpointer:
                 self.verified.discard(path)
 
     def export_hf(self, step: int) -> Path:
-        """Write the current weights as an HF Llama directory `<run_dir>/hf/step_<step>`."""
+        """Write the current weights as an HF Llama directory `<run_dir>/hf/step_<step>`, with the
+        run's tokenizer."""
         out = self.run_dir / HF_EXPORTS_DIR / f"step_{step}"
         tensors = full_canonical_tensors(self.model, self.mapping)
         if process_rank() == 0:
             tmp = out.with_name(f"{TMP_PREFIX}{out.name}")
             shutil.rmtree(tmp, ignore_errors=True)
-            save_hf(tmp, self.model_cfg, tensors)
+            save_hf_with_tokenizer(tmp, self.model_cfg, tensors, self.tokenizer)
             replace_dir(tmp, out)
             self.log(f"exported Hugging Face weights to {out}")
         else:

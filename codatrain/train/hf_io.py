@@ -5,20 +5,25 @@ fused rows, config.json, safetensors files) is codatrain/model/hf.py."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from codatrain.config import FOLDER_PRESET, DataConfig, RunConfig, model_config
-from codatrain.data.tokenizer import folder_tokenizer
+from codatrain.config import FOLDER_PRESET, RunConfig, model_config
+from codatrain.data.tokenizer import folder_tokenizer, load_tokenizer, save_hf_tokenizer
 from codatrain.model.config import LlamaConfig
-from codatrain.model.hf import DEFAULT_MAX_SHARD_BYTES, HFCheckpoint, config_from_hf, save_hf
-from codatrain.train.checkpoint import CHECKPOINTS_DIR, MANIFEST, inspect_checkpoint, load_model_weights
+from codatrain.model.hf import DEFAULT_MAX_SHARD_BYTES, Delimiters, HFCheckpoint, config_from_hf, save_hf
+from codatrain.train.checkpoint import (
+    CHECKPOINTS_DIR,
+    MANIFEST,
+    checkpoint_tokenizer,
+    inspect_checkpoint,
+    load_model_weights,
+)
 from codatrain.train.checkpoint_files import checkpoint_reader, dcp_load
 from codatrain.train.parallelize import set_full_tensor, strip_wrapper_prefixes
 
@@ -47,12 +52,29 @@ def run_model_config(run: RunConfig) -> LlamaConfig:
     return model_config(run.model, folder, f"checkpoint.init_from={init_from}")
 
 
-def run_data_config(run: RunConfig) -> DataConfig:
-    """`run.data` with its tokenizer decided: data.tokenizer unset means the tokenizer of the
-    checkpoint.init_from folder when it has one (its weights were trained with it), else byte."""
-    if run.data.tokenizer is not None:
-        return run.data
-    return dataclasses.replace(run.data, tokenizer=folder_tokenizer(run.checkpoint.init_from) or "byte")
+def saved_tokenizer(path: str | os.PathLike) -> str | None:
+    """The tokenizer weights were trained with, as a data.tokenizer spec: the one a codatrain
+    checkpoint records, or an HF folder's own; None where that is not known."""
+    if is_checkpoint(path):
+        return checkpoint_tokenizer(path, inspect_checkpoint(path, verify=False))
+    return folder_tokenizer(path)
+
+
+def run_tokenizer(run: RunConfig) -> tuple[str, str]:
+    """The tokenizer of a run and a line for its header that says where it comes from:
+    data.tokenizer where set, else the one checkpoint.init_from was trained with, else byte."""
+    init_from = run.checkpoint.init_from
+    trained_with = saved_tokenizer(init_from) if init_from else None
+    source = f"checkpoint.init_from={init_from}"
+    chosen = run.data.tokenizer
+    if chosen is None and trained_with is None:
+        return "byte", "tokenizer: byte" + (f" ({source} names none)" if init_from else "")
+    if chosen is None:
+        return trained_with, f"tokenizer: {trained_with} (the one {source} was trained with)"
+    if trained_with is None or load_tokenizer(chosen).fingerprint == load_tokenizer(trained_with).fingerprint:
+        return chosen, f"tokenizer: {chosen} (data.tokenizer)"
+    return chosen, (f"tokenizer: {chosen} (data.tokenizer), not {trained_with}, which {source} was "
+                    "trained with")
 
 
 @torch.no_grad()
@@ -106,13 +128,30 @@ def export_checkpoint_to_hf(checkpoint: str | os.PathLike, out_dir: str | os.Pat
                             dtype: torch.dtype | None = None,
                             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> LlamaConfig:
     """Write a training checkpoint's weights as an HF Llama directory (single process), after
-    checking the checkpoint's checksums and that `out_dir` is a place for it."""
+    checking the checkpoint's checksums and that `out_dir` is a place for it; with its tokenizer
+    (`save_hf_with_tokenizer`) where the checkpoint records one."""
     check_export_path(checkpoint, out_dir)
     manifest = inspect_checkpoint(checkpoint)
     cfg = LlamaConfig(**manifest["model_config"])
     tensors = _checkpoint_model_tensors(Path(checkpoint), manifest, group_bytes=1 << 30)
-    save_hf(out_dir, cfg, tensors, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    save_hf_with_tokenizer(out_dir, cfg, tensors, checkpoint_tokenizer(checkpoint, manifest), dtype=dtype,
+                           max_shard_bytes=max_shard_bytes)
     return cfg
+
+
+def save_hf_with_tokenizer(out_dir: str | os.PathLike, cfg: LlamaConfig,
+                           tensors: Iterable[tuple[str, torch.Tensor]], tokenizer: str | None,
+                           **options: Any) -> None:
+    """`save_hf`, with config.json and generation_config.json naming the delimiters of `tokenizer`
+    (a data.tokenizer spec; None: unknown) and, for a Hugging Face tokenizer, its files beside the
+    weights, so that `AutoTokenizer` and `pipeline` load the folder as it is."""
+    delimiters = None
+    if tokenizer is not None:
+        loaded = load_tokenizer(tokenizer)
+        delimiters = Delimiters(loaded.bos_id, loaded.eos_id)
+    save_hf(out_dir, cfg, tensors, delimiters=delimiters, **options)
+    if tokenizer is not None:
+        save_hf_tokenizer(tokenizer, out_dir)
 
 
 def check_export_path(checkpoint: str | os.PathLike, out_dir: str | os.PathLike) -> None:

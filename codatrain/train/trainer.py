@@ -6,7 +6,7 @@ import contextlib
 import itertools
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -26,7 +26,7 @@ from codatrain.train.distributed import (
     init_distributed,
     shutdown_distributed,
 )
-from codatrain.train.hf_io import run_data_config, run_model_config
+from codatrain.train.hf_io import run_model_config, run_tokenizer
 from codatrain.train.kernel_cache import KernelCache, kernel_shapes
 from codatrain.train.logger import RunLogger, format_duration
 from codatrain.train.metrics import (
@@ -121,9 +121,10 @@ class Trainer:
 
         self.optimizer = build_optimizer(model, run.optim, device)
         self.scheduler = build_scheduler(self.optimizer, run.optim, tcfg.steps)
+        tokenizer, self.tokenizer_line = run_tokenizer(run)
         self.train_data, self.val_data = build_loaders(
-            run_data_config(run), tcfg.micro_batch_size, dist_info.rank, dist_info.world_size, tcfg.seed,
-            device,
+            replace(run.data, tokenizer=tokenizer), tcfg.micro_batch_size, dist_info.rank,
+            dist_info.world_size, tcfg.seed, device,
             max_seq_len=self.model_cfg.max_seq_len, model_vocab_size=self.model_cfg.vocab_size,
         )
 
@@ -134,7 +135,7 @@ class Trainer:
         # Resume (checkpoint.resume) or load init_from weights; before fit() starts the data iterators.
         self.checkpointer = Checkpointer(
             run.checkpoint, self.run_dir, self.model_cfg, model, self.optimizer, self.scheduler,
-            {"train": self.train_data}, log=self.logger.info,
+            {"train": self.train_data}, log=self.logger.info, tokenizer=tokenizer,
         )
         self.step = self.checkpointer.restore()
         # Loop state: steps skipped as non-finite, the time since the last record and in this run,
@@ -329,6 +330,7 @@ class Trainer:
             f"{optim.min_lr_ratio:g}× | weight decay {optim.weight_decay:g} | betas ({optim.beta1:g}, "
             f"{optim.beta2:g}) | grad clip {clip}"
         )
+        self.logger.info(self.tokenizer_line)
         for loader in (self.train_data, self.val_data):
             if loader is not None and loader.report:  # fine-tuning data: examples packed, cut, dropped
                 self.logger.info(loader.report)
