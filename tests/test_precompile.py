@@ -7,6 +7,7 @@ sm_90a on this CPU machine: every stage kernel and FA4 traces and compiles witho
 (about 40 s on two cores); without them it is skipped.
 """
 
+import dataclasses
 import importlib.util
 import json
 import subprocess
@@ -20,9 +21,11 @@ from omegaconf import OmegaConf
 
 from codatrain.config import load_config, validate
 from codatrain.kernels.precompile import (
+    HOPPER_SMS,
     MANIFEST,
     KernelCacheError,
     KernelShapes,
+    _compile_env,
     cache_problems,
     cache_stamp,
     ensure_cache,
@@ -35,6 +38,8 @@ from codatrain.train.kernel_cache import KernelCache, kernel_shapes, process_age
 REPO = Path(__file__).resolve().parent.parent
 CODA_KERNELS = ["block=coda", "block.backend=cute", "block.attention=fa4"]
 CUDA_EXTRAS = ("cutlass", "quack", "flash_attn", "triton")
+# A vocabulary that is not a multiple of 8, and an F1 and F3 that tile differently (K ≤ N and K > N).
+ODD_SHAPES = ["model.vocab_size=509", "model.dim=384", "model.ffn_dim=1024"]
 
 
 def run_config(overrides: list[str]):
@@ -173,13 +178,23 @@ def test_script_check_and_nothing_to_compile(tmp_path):
     not all(importlib.util.find_spec(name) for name in CUDA_EXTRAS),
     reason="needs the cuda extras (nvidia-cutlass-dsl, quack-kernels, flash-attn-4) and triton",
 )
-@pytest.mark.parametrize("vocab", [[], ["model.vocab_size=509"]], ids=["tiny", "odd-vocab"])
-def test_precompile_tiny_for_sm90a(tmp_path, vocab):
+@pytest.mark.parametrize("widths", [[], ODD_SHAPES], ids=["tiny", "odd-shapes"])
+def test_precompile_tiny_for_sm90a(tmp_path, widths):
     """The tiny config, and the same with a vocabulary that is not a multiple of 8 (its LM head pads
-    the logits rows; unpadded, the cross-entropy kernel stopped the build with a compiler error)."""
-    proc = precompile_script("model=tiny", *vocab, f"kernels.cache_dir={tmp_path}", "--jobs", "2")
+    the logits rows; unpadded, the cross-entropy kernel stopped the build with a compiler error) and
+    an out-projection and down-projection that tile differently (F1 and F3 leave different numbers
+    of x² partials). A micro-step of the model on fake tensors then finds every kernel it launches
+    in the cache (tests/fake_job.py): a precompiled job compiles nothing."""
+    proc = precompile_script("model=tiny", *widths, f"kernels.cache_dir={tmp_path}", "--jobs", "2")
     assert proc.returncode == 0, proc.stderr[-5000:]
-    shapes = shapes_of([*CODA_KERNELS, *vocab])
+    shapes = shapes_of([*CODA_KERNELS, *widths])
+    job = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "fake_job.py"), json.dumps(dataclasses.asdict(shapes))],
+        env=_compile_env(tmp_path, HOPPER_SMS), capture_output=True, text=True, timeout=600,
+    )
+    assert job.returncode == 0, job.stderr[-5000:]
+    counts = json.loads(job.stdout.splitlines()[-1])
+    assert counts["compiled"] == 0 and counts["loaded"] >= 10, counts
     entry = read_manifest(tmp_path)["configs"][shapes.key]
     kernels = set(entry["kernels"])
     stages = ("F1 out-proj", "F2 gate/up", "F4 QKV", "LM head linear cross-entropy", "final RMSNorm backward",
@@ -190,7 +205,7 @@ def test_precompile_tiny_for_sm90a(tmp_path, vocab):
     assert len(list((tmp_path / "quack").rglob("*.o"))) >= 15
     assert len(list((tmp_path / "fa4").rglob("*.o"))) >= 2
     assert cache_problems(tmp_path, shapes) == []
-    check = precompile_script("--check", "model=tiny", *vocab, f"kernels.cache_dir={tmp_path}")
+    check = precompile_script("--check", "model=tiny", *widths, f"kernels.cache_dir={tmp_path}")
     assert check.returncode == 0 and "fits" in check.stdout
 
 

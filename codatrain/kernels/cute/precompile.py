@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import faulthandler
+import functools
 import json
 import os
 import sys
@@ -48,16 +49,14 @@ import torch
 from flash_attn.cute import flash_attn_func
 from flash_attn.cute.interface import BIN_BATCH_SEARCH_THRESH, _flash_attn_bwd
 from quack.cache import CacheInfo
-from quack.cross_entropy import CrossEntropy
 from quack.cute_dsl_utils import torch2cute_dtype_map
-from quack.rms_final_reduce import _compile_rms_final_reduce
-from quack.rmsnorm import _bucket_T_hint, _compile_rmsnorm_bwd, _compile_rmsnorm_fwd
+from quack.rmsnorm import _rmsnorm_bwd_f, rmsnorm_fwd
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from codatrain.kernels.attention import Documents, causal_attention
 from codatrain.kernels.cute import CuteStages, entry, head, rowwise
 from codatrain.kernels.cute.attention import varlen_backward, varlen_forward
-from codatrain.kernels.precompile import KernelShapes
+from codatrain.kernels.precompile import HOPPER_SMS, KernelShapes
 from codatrain.kernels.stages import IGNORE_INDEX, Rope
 
 # Training activations are bf16 (autocast on one GPU, FSDP2's param dtype on several);
@@ -66,6 +65,8 @@ ACT = torch.bfloat16
 STAT = torch.float32
 # RoPE's θ and scaling only fill a frequency table at run time; no kernel depends on them.
 _ANY_ROPE = Rope(theta=10000.0)
+# Nor on a norm's ε.
+_EPS = 1e-5
 # One kernel compiles in seconds, FA4's backward in under a minute on a slow core. A spec that
 # takes this long is stuck (most likely launching on fake tensors): stop with its traceback.
 SPEC_TIMEOUT_S = 600
@@ -149,17 +150,18 @@ def forward_kernels(s: KernelShapes) -> list[KernelSpec]:
     def out_proj():
         return st.gemm_residual_rms(_act(m, _q_dim(s)), _act(d, _q_dim(s)), _act(m, d), _act(d))
 
+    def down_proj():
+        return st.gemm_residual_rms(_act(m, s.ffn_dim), _act(d, s.ffn_dim), _act(m, d), _act(d))
+
     def rstd_reduce():
-        # QuACK's reduction compiles per number of partials, which F1/F3's column tile decides.
-        partials = out_proj().sq_partials
-        return _compile_rms_final_reduce(_cute(partials.dtype), partials.shape[1])
+        # QuACK's reduction compiles per number of partials, which F1's and F3's column tiles
+        # decide (they differ where the two GEMMs tile differently, e.g. at 8B widths).
+        for partials in (out_proj().sq_partials, down_proj().sq_partials):
+            st.rstd_from_partials(partials, dim=d, eps=_EPS)
 
     return [
         KernelSpec("F1 out-proj + residual + x² partials", out_proj),
-        KernelSpec(
-            "F3 down-proj + residual + x² partials",
-            lambda: st.gemm_residual_rms(_act(m, s.ffn_dim), _act(d, s.ffn_dim), _act(m, d), _act(d)),
-        ),
+        KernelSpec("F3 down-proj + residual + x² partials", down_proj),
         KernelSpec("R rstd from partials", rstd_reduce),
         KernelSpec(
             "F2 gate/up · rstd + SwiGLU",
@@ -206,24 +208,17 @@ def head_kernels(s: KernelShapes) -> list[KernelSpec]:
     """The training head (`head.lm_head_ce`): QuACK's RMSNorm forward and backward row kernels,
     and the GEMMs (and, on the base pipeline, the cross-entropy row kernel) of its linear
     cross-entropy. The scaled-exp pipeline's two small Triton kernels compile at their first
-    launch, into Triton's own disk cache, in about a second."""
+    launch, into Triton's own disk cache, in about a second. Each spec makes the call `head`
+    makes, so the compile keys are the job's."""
     m, d, vocab, rows = _tokens(s), s.dim, s.vocab_size, _head_rows(s)
-    bf16 = _cute(ACT)
 
-    def cross_entropy_compile_only(x, target, target_logit, loss, lse, dx, weight, ignore_index):
-        # What `cross_entropy_fwd_out` compiles before it launches (the base pipeline's call).
-        del target_logit, loss, ignore_index
-        return CrossEntropy.compile(
-            bf16, _cute(target.dtype), None, x.shape[1], lse is not None, dx is not None, weight, None
-        )
+    def final_norm() -> object:
+        return rmsnorm_fwd(_act(m, d), _act(d), eps=_EPS, store_rstd=True)
 
     def linear_cross_entropy() -> object:
-        lce = quack.linear_cross_entropy
         # Where the scaled-exp pipeline applies, the base one compiles too: a micro-batch whose
         # loss is past its exact range reruns there (head.SCALED_EXP_MAX_LOSS).
-        with mock.patch.object(lce, "lce_glue", lambda *args, **kwargs: None), \
-                mock.patch.object(lce, "cross_entropy_fwd_out", cross_entropy_compile_only), \
-                mock.patch.object(head, "cross_entropy_fwd_out", cross_entropy_compile_only), \
+        with mock.patch.object(quack.linear_cross_entropy, "lce_glue", lambda *args, **kwargs: None), \
                 mock.patch.object(head, "scaled_exp_is_exact", lambda loss: False):
             return head.linear_cross_entropy(_act(m, d), _act(vocab, d), _index(m), rows, IGNORE_INDEX)
 
@@ -236,13 +231,16 @@ def head_kernels(s: KernelShapes) -> list[KernelSpec]:
                                     head.last_dlogits_like(last_rows, vocab, _act(1)), _act(last_rows, d),
                                     _stat(), ACT)
 
+    def final_norm_backward() -> object:
+        # The implementation of the custom op `head` calls (under FakeTensorMode the op itself
+        # would run its fake, which compiles nothing); the SM count only sizes an output.
+        return _rmsnorm_bwd_f._init_fn(_act(m, d), _act(d), _act(m, d), _stat(m), None, HOPPER_SMS)
+
     return [
-        KernelSpec("final RMSNorm", lambda: _compile_rmsnorm_fwd(bf16, bf16, None, bf16, None, None, d, True,
-                                                                 False, False, False)),
+        KernelSpec("final RMSNorm", final_norm),
         KernelSpec("LM head linear cross-entropy, loss and gradients", linear_cross_entropy),
         *([KernelSpec("LM head weight gradient of the last chunk", pending_dweight)] if last_rows else []),
-        KernelSpec("final RMSNorm backward", lambda: _compile_rmsnorm_bwd(
-            d, bf16, bf16, bf16, bf16, False, None, None, True, False, T_hint=_bucket_T_hint(m))),
+        KernelSpec("final RMSNorm backward", final_norm_backward),
     ]
 
 
@@ -328,7 +326,10 @@ def compile_only(num_sms: int) -> Iterator[list[object]]:
     list of the QuACK launch plans whose launch it skipped so far.
 
     - Tensors are fake (FakeTensorMode): real shapes, strides and dtypes, no memory, no driver.
-    - QuACK sends every GEMM launch through `launch_gemm`, which does nothing here.
+    - QuACK sends every GEMM launch through `launch_gemm`, which does nothing here. Every other
+      kernel is launched by calling what its `jit_cache` compile function returned: here those
+      functions compile (or load) as usual and return a launcher that does nothing, so a spec
+      runs the stage's own Python path and compiles exactly the keys a training job asks for.
     - QuACK's `gemm_add_inplace` calls its torch custom op even in eager mode, and under
       FakeTensorMode that op runs its fake, which compiles nothing: here it calls the op's own
       implementation directly, as QuACK's eager paths do for its other ops.
@@ -359,6 +360,11 @@ def compile_only(num_sms: int) -> Iterator[list[object]]:
                     stack.enter_context(mock.patch.object(module, attr, skip_launch))
                 elif value is clusters:
                     stack.enter_context(mock.patch.object(module, attr, target_clusters))
+        for owner, attr, compiler in _compiler_references():
+            launch_nothing = _launching_nothing(compiler)
+            if isinstance(owner, type):  # a kernel class's static compile method
+                launch_nothing = staticmethod(launch_nothing)
+            stack.enter_context(mock.patch.object(owner, attr, launch_nothing))
         add_inplace = quack.gemm_interface.gemm_add_inplace_op._init_fn
         stack.enter_context(mock.patch.object(quack.gemm_interface, "gemm_add_inplace_op", add_inplace))
         stack.enter_context(FakeTensorMode())
@@ -398,27 +404,41 @@ def _kernel_lookups() -> int:
 # ---- what a process compiled ----------------------------------------------------------------------
 
 
+def _compiler_references() -> list[tuple[object, str, Callable]]:
+    """(owner, attribute, compile function) for every reference to a QuACK `jit_cache` compile
+    function (QuACK's own and codatrain's) in the loaded modules: module attributes, and the static
+    compile methods of kernel classes (QuACK's `CrossEntropy.compile`)."""
+    found = []
+    for name, module in list(sys.modules.items()):
+        if name.split(".")[0] != "quack" and not name.startswith("codatrain.kernels.cute"):
+            continue
+        owners = [module, *(m for m in vars(module).values() if isinstance(m, type) and m.__module__ == name)]
+        for owner in owners:
+            for attr, value in list(vars(owner).items()):
+                compiler = value.__func__ if isinstance(value, staticmethod) else value
+                # A jit_cache wrapper: one kernel per key in `cache`, and QuACK's CacheInfo counts.
+                info = getattr(compiler, "cache_info", None)
+                if isinstance(getattr(compiler, "cache", None), dict) and callable(info):
+                    if isinstance(info(), CacheInfo):
+                        found.append((owner, attr, compiler))
+    return found
+
+
+def _launching_nothing(compiler: Callable) -> Callable:
+    """`compiler`, whose kernels launch nothing (`compile_only`); it keeps the compiler's cache
+    and counts, so `jit_compilers` still finds them."""
+
+    @functools.wraps(compiler)
+    def compile_only_launcher(*args: object, **kwargs: object) -> Callable:
+        compiler(*args, **kwargs)
+        return lambda *args, **kwargs: None
+
+    return compile_only_launcher
+
+
 def jit_compilers() -> list[Callable]:
     """QuACK's `jit_cache` compile functions (its own and codatrain's) loaded in this process."""
-    found: dict[int, Callable] = {}
-    for name, module in list(sys.modules.items()):
-        if name.split(".")[0] == "quack" or name.startswith("codatrain.kernels.cute"):
-            for value in _functions_and_static_methods(module):
-                # A jit_cache wrapper: one kernel per key in `cache`, and QuACK's CacheInfo counts.
-                info = getattr(value, "cache_info", None)
-                if isinstance(getattr(value, "cache", None), dict) and callable(info):
-                    if isinstance(info(), CacheInfo):
-                        found[id(value)] = value
-    return list(found.values())
-
-
-def _functions_and_static_methods(module: object) -> list[object]:
-    """A module's members, and the static methods of the classes it defines (QuACK keeps some
-    compile functions there, e.g. `CrossEntropy.compile`)."""
-    members = list(vars(module).values())
-    classes = [m for m in members if isinstance(m, type) and m.__module__ == module.__name__]
-    methods = [v.__func__ for cls in classes for v in vars(cls).values() if isinstance(v, staticmethod)]
-    return members + methods
+    return list({id(compiler): compiler for _, _, compiler in _compiler_references()}.values())
 
 
 def fa4_caches() -> list:

@@ -1,0 +1,47 @@
+"""One training micro-step of block=coda on the cute backend, on fake tensors, launching nothing:
+which CuTeDSL kernels would a job of these shapes compile that its cache does not hold?
+
+    python tests/fake_job.py '<KernelShapes as JSON>'   (in the environment of a compile process)
+
+Runs the model's forward and backward (two layers, bf16 autocast as on one GPU, SDPA: FA4 keeps
+its own cache) under `compile_only`, where every stage takes its own Python path, compiles or
+loads its kernels and launches nothing, then prints `kernel_counts` as JSON. `test_precompile.py`
+runs it against a cache that scripts/precompile.py built: every kernel must load, none compile.
+"""
+
+import json
+import sys
+import time
+from unittest import mock
+
+import quack.linear_cross_entropy
+import torch
+
+from codatrain.kernels.cute import head
+from codatrain.kernels.cute.precompile import compile_only, kernel_counts
+from codatrain.kernels.precompile import HOPPER_SMS, KernelShapes
+from codatrain.model.coda import CodaLlama
+from codatrain.model.config import LlamaConfig
+
+
+def main(shapes: KernelShapes) -> dict:
+    started = time.time()
+    cfg = LlamaConfig(dim=shapes.dim, n_layers=2, n_heads=shapes.n_heads, n_kv_heads=shapes.n_kv_heads,
+                      ffn_dim=shapes.ffn_dim, vocab_size=shapes.vocab_size)
+    # The head's check of its loss is a host sync, which fake tensors cannot answer: the job's
+    # usual answer (the rerun's kernels are compiled by the same spec). Its SM count only sizes
+    # an output; its scaled-exp glue is Triton's, which a CPU cannot even trace.
+    with compile_only(HOPPER_SMS), mock.patch.object(head, "scaled_exp_is_exact", lambda loss: True), \
+            mock.patch.object(head, "get_sm_count", lambda *args: HOPPER_SMS), \
+            mock.patch.object(quack.linear_cross_entropy, "lce_glue", lambda *args, **kwargs: None):
+        model = CodaLlama(cfg, backend="cute", attention="sdpa")  # fake parameters, initialised
+        tokens = torch.zeros(shapes.batch, shapes.seq_len, dtype=torch.int64)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(tokens, tokens)
+        loss.backward()
+    loaded, compiled, names = kernel_counts(started)
+    return {"loaded": loaded, "compiled": compiled, "names": names}
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(KernelShapes(**json.loads(sys.argv[1])))))
