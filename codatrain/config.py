@@ -212,6 +212,13 @@ class DataConfig:
             raise ValueError(f"data.format=sft reads JSON-lines files or a Hub dataset; it needs "
                              f"data.source=files or hub, not {str(self.source)!r}")
 
+    @property
+    def held_out_fraction(self) -> float:
+        """The share of the source's documents held out for validation: val_fraction unless a
+        separate validation set (val_path, or a Hub val_split) is given."""
+        separate = self.val_path or (self.source == DataSource.hub and self.val_split)
+        return 0.0 if separate else self.val_fraction
+
 
 @dataclass
 class OptimConfig:

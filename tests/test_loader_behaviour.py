@@ -21,6 +21,7 @@ from codatrain.data.loader import SYNTHETIC_WINDOWS, PackedLoader, data_sources
 from codatrain.data.order import ORDER_VERSION
 from codatrain.data.packing import SyntheticWindows
 from codatrain.data.pretokenize import tokenize_to_dir
+from codatrain.data.sources import SPLIT_VERSION
 
 
 def build(cfg, batch_size=2, rank=0, world_size=1, seed=0, max_seq_len=64, model_vocab_size=512):
@@ -78,7 +79,7 @@ def test_state_records_the_position_seed_data_and_order_version():
     loader = make(30, batch_size=2, seed=5)
     take(loader, 2)
     assert loader.state_dict() == {"epoch": 0, "offset": 4, "seed": 5, "num_windows": 30, "seq_len": 3,
-                                   "order": ORDER_VERSION}
+                                   "order": ORDER_VERSION, "split": SPLIT_VERSION}
 
 
 def test_state_of_another_window_length_is_rejected_naming_both_values():
