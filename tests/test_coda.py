@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from model_states import random_canonical_state
 
 from codatrain.kernels.attention import sdpa_attention
-from codatrain.kernels.stages import BackendUnavailableError, get_backend
+from codatrain.kernels.resolve import resolve_block
+from codatrain.kernels.stages import get_backend
 from codatrain.model.coda import CodaLlama
 from codatrain.model.config import LlamaConfig, get_preset
 from codatrain.model.llama import IGNORE_INDEX, Llama, lm_loss
@@ -17,7 +18,7 @@ def model_pair(cfg, dtype, seed=0, head_chunk_rows=None):
     state = random_canonical_state(cfg, dtype, seed)
     eager = Llama(cfg).to(dtype)
     eager.load_state_dict(state)
-    coda = CodaLlama(cfg, backend="reference", attention="sdpa", head_chunk_rows=head_chunk_rows).to(dtype)
+    coda = CodaLlama(cfg, head_chunk_rows=head_chunk_rows).to(dtype)
     load_canonical(coda, state)
     return eager, coda
 
@@ -197,7 +198,7 @@ def test_canonical_state_round_trip_gives_identical_logits():
     eager = Llama(cfg)
     eager.init_weights(seed=3)
     state = eager.state_dict()
-    coda = CodaLlama(cfg, backend="reference", attention="sdpa")
+    coda = CodaLlama(cfg)
     load_canonical(coda, state)
     tokens = torch.randint(0, cfg.vocab_size, (2, 32))
     with torch.no_grad():
@@ -213,7 +214,7 @@ def test_meta_build_and_seeded_init_equal_eager_init():
     as the eager model with that seed (init is drawn per canonical tensor)."""
     cfg = get_preset("tiny").replace(n_layers=3)
     with torch.device("meta"):
-        coda = CodaLlama(cfg, backend="reference", attention="sdpa")
+        coda = CodaLlama(cfg)
     coda.to_empty(device="cpu")
     coda.init_weights(seed=11)
     eager = Llama(cfg)
@@ -236,16 +237,13 @@ def test_a_model_built_off_meta_starts_from_the_eager_models_seed_0_weights():
     for name, tensor in state.items():
         assert torch.equal(back[name], tensor), name
 
-def test_a_model_refuses_kernels_that_cannot_run_on_its_device():
-    cfg, cpu = CONFIGS["mha-L1"], torch.device("cpu")
-    with pytest.raises(BackendUnavailableError, match="'cute' cannot run on cpu"):
-        CodaLlama(cfg, backend="cute", attention="sdpa", device=cpu)
-    with pytest.raises(BackendUnavailableError, match="'fa4' needs an sm_90 GPU, not cpu"):
-        CodaLlama(cfg, backend="reference", attention="fa4", device=cpu)
+def test_a_model_takes_only_a_block_resolved_for_a_device():
+    with pytest.raises(ValueError, match="resolved without a device: it names the kernels but holds none"):
+        CodaLlama(CONFIGS["mha-L1"], resolve_block("coda", "cute", "fa4", None))
 
 def test_blocks_own_every_parameter_once_and_names_are_a_bijection():
     cfg = CONFIGS["mqa6-L5"]
-    coda = CodaLlama(cfg, backend="reference", attention="sdpa")
+    coda = CodaLlama(cfg)
     blocks = coda.blocks()
     assert len(blocks) == cfg.n_layers + 1
     owned = [id(p) for block in blocks for p in block.parameters()]

@@ -12,7 +12,7 @@ from codatrain.model.llama import Llama
 CFG = get_preset("tiny").replace(n_layers=2)
 
 
-@pytest.mark.parametrize("make", [Llama, lambda cfg: CodaLlama(cfg, backend="reference", attention="sdpa")],
+@pytest.mark.parametrize("make", [Llama, lambda cfg: CodaLlama(cfg)],
                          ids=["eager", "coda"])
 def test_two_fresh_models_from_one_seed_are_equal(make):
     a, b = make(CFG), make(CFG)

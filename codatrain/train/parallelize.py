@@ -53,14 +53,15 @@ def data_parallel_mesh(device: torch.device, world_size: int) -> DeviceMesh:
     return init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: bool) -> None:
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, compute_dtype: torch.dtype) -> None:
     """fully_shard each block, then the root (embedding, final norm, head and the rest).
 
-    On GPU the policy computes in bf16 with fp32 master weights and fp32 gradient reduction.
+    Below fp32 (bf16 on a GPU) the policy computes in `compute_dtype` with fp32 master weights and
+    fp32 gradient reduction.
     """
     policy = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if mixed_precision
+        MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        if compute_dtype != torch.float32
         else MixedPrecisionPolicy()
     )
     blocks = model.blocks()
