@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from codatrain.config import DataConfig, DataSource
 from codatrain.data import build_loaders, prepare_streams
+from codatrain.data.config import DataConfig, DataSource
 from codatrain.data.pretokenize import tokenize_to_dir
 from codatrain.data.sources import held_out_by_content
 

@@ -1,5 +1,6 @@
 """The package's import structure: every module imports, no import cycle, and the layers import
-downwards only, ``train → data → config → model → kernels`` (kernels know nothing above them).
+downwards only, ``train → config → data → model → kernels`` (kernels know nothing above them;
+data owns its config and imports neither Hydra nor the run schema).
 
 The graph is read from the source (every import statement, also those inside functions and
 under TYPE_CHECKING), so an import that runs only on some path still counts.
@@ -14,7 +15,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "codatrain"
 # Lowest first; a module may import its own layer and those below it.
-LAYERS = ("kernels", "model", "config", "data", "train")
+LAYERS = ("kernels", "model", "data", "config", "train")
 # The cute backend needs the cuda extras; without them its modules are checked in the graph only.
 CUDA_EXTRAS = ("cutlass", "quack", "flash_attn")
 
@@ -93,8 +94,22 @@ def test_no_import_cycle():
         visit(module)
 
 
+def test_data_imports_neither_hydra_nor_the_run_schema():
+    found = []
+    for module, path in MODULES.items():
+        if not module.startswith("codatrain.data"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) else []
+            found += [f"{module} imports {name}" for name in names
+                      if name.split(".")[0] in ("hydra", "omegaconf") or name == "codatrain.config"]
+    assert not found, "\n".join(found)
+
+
 def test_the_graph_sees_imports():
     # The checks above pass on an empty graph too: make sure it holds the edges it should.
     assert "codatrain.kernels.stages" in GRAPH["codatrain.model.coda"]
     assert "codatrain.kernels.cute.entry" in GRAPH["codatrain.kernels.cute.precompile"]
     assert "codatrain.train.kernel_cache" in GRAPH["codatrain.train.trainer"]
+    assert "codatrain.data.config" in GRAPH["codatrain.config"]

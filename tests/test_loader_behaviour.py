@@ -15,8 +15,8 @@ from test_data_loader import IndexWindows, make, take
 from test_data_sources import word_tokenizer, write_jsonl
 from test_data_streaming import corpus, stream_config
 
-from codatrain.config import DataConfig, DataSource, OnBadData
 from codatrain.data import build_loaders, prepare_streams, unigram_entropy
+from codatrain.data.config import DataConfig, DataSource, OnBadData
 from codatrain.data.loader import SYNTHETIC_WINDOWS, PackedLoader, data_sources
 from codatrain.data.order import ORDER_VERSION
 from codatrain.data.packing import SyntheticWindows
@@ -113,7 +113,7 @@ def test_too_little_data_names_the_windows_and_the_global_batch():
 def test_bad_sizes_ranks_seeds_fractions_and_worker_counts_are_refused_with_their_values():
     synthetic = DataConfig(source="synthetic", seq_len=1)
     refused = [
-        (dict(batch_size=0), "data.seq_len=1 and batch_size=0 must be positive"),
+        (dict(batch_size=0), "batch_size=0 must be positive"),
         (dict(rank=1), "rank 1 is not in a world of size 1"),
         (dict(rank=-1, world_size=2), "rank -1 is not in a world of size 2"),
         (dict(seed=-1), "the data seed must be non-negative, got -1"),
@@ -121,15 +121,13 @@ def test_bad_sizes_ranks_seeds_fractions_and_worker_counts_are_refused_with_thei
     for args, message in refused:
         with pytest.raises(ValueError, match=exactly(message)):
             build(synthetic, **args)
+    # The data config's own values are checked where it is built (codatrain/data/config.py).
     for overrides, message in [(dict(val_fraction=1.0), "data.val_fraction=1.0 is not in [0, 1)"),
                                (dict(val_fraction=-0.1), "data.val_fraction=-0.1 is not in [0, 1)"),
-                               (dict(num_workers=-1), "data.num_workers=-1 must be >= 0")]:
+                               (dict(num_workers=-1), "data.num_workers must be 0 or more, got -1"),
+                               (dict(seq_len=0), "data.seq_len must be positive, got 0")]:
         with pytest.raises(ValueError, match=exactly(message)):
-            build(DataConfig(source="synthetic", seq_len=1, **overrides))
-    zero_length = DataConfig(source="synthetic", seq_len=1)
-    zero_length.seq_len = 0  # set after the config's own check
-    with pytest.raises(ValueError, match=exactly("data.seq_len=0 and batch_size=1 must be positive")):
-        build(zero_length, batch_size=1)
+            DataConfig(source="synthetic", **{"seq_len": 1, **overrides})
     # The smallest accepted values of each.
     train, val = build(DataConfig(source="synthetic", seq_len=1, val_fraction=0.0, num_workers=0),
                        batch_size=1, rank=1, world_size=2, seed=0, max_seq_len=1)

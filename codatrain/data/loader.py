@@ -23,7 +23,7 @@ import datasets
 import numpy as np
 import torch
 
-from codatrain.config import DataConfig, DataFormat, DataSource, OnBadData
+from codatrain.data.config import DataConfig, DataFormat, DataSource, OnBadData
 from codatrain.data.order import ORDER_VERSION, WindowOrder
 from codatrain.data.packing import Batch, PackedWindows, SyntheticWindows, collate
 from codatrain.data.sft import SFTWindows, build_sft_datasets
@@ -168,16 +168,12 @@ def build_loaders(
     """
     if cfg.seq_len > max_seq_len:
         raise ValueError(f"data.seq_len={cfg.seq_len} exceeds model.max_seq_len={max_seq_len}")
-    if cfg.seq_len <= 0 or batch_size <= 0:
-        raise ValueError(f"data.seq_len={cfg.seq_len} and batch_size={batch_size} must be positive")
+    if batch_size <= 0:
+        raise ValueError(f"batch_size={batch_size} must be positive")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in a world of size {world_size}")
     if seed < 0:
         raise ValueError(f"the data seed must be non-negative, got {seed}")
-    if not 0 <= cfg.val_fraction < 1:
-        raise ValueError(f"data.val_fraction={cfg.val_fraction} is not in [0, 1)")
-    if cfg.num_workers < 0:
-        raise ValueError(f"data.num_workers={cfg.num_workers} must be >= 0")
     device = torch.device(device)
 
     if cfg.source == "synthetic":

@@ -41,7 +41,7 @@ import datasets
 import numpy as np
 import torch
 
-from codatrain.config import DataConfig, DataSource, SFTOverlong, SFTTemplate
+from codatrain.data.config import DataConfig, DataSource, SFTOverlong, SFTTemplate
 from codatrain.data.packing import Window
 from codatrain.data.sources import held_out_by_content, resolve_files
 from codatrain.data.tokenizer import Tokenizer

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from codatrain.config import DataConfig, RunConfig
+from codatrain.config import RunConfig
+from codatrain.data.config import DataConfig
 from codatrain.kernels.precompile import KernelShapes
 from codatrain.kernels.resolve import ResolvedBlock, resolve_block
 from codatrain.model.config import LlamaConfig
