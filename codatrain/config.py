@@ -181,8 +181,9 @@ class CheckpointConfig:
     # skipped with a warning); none: start fresh (an error if the run dir has checkpoints);
     # <path>: continue from that step_<n> directory, which must be complete.
     resume: str = "auto"
-    # HF Llama directory or .safetensors file whose weights start a fresh run (finetuning: new
-    # optimizer, step 0). A checkpoint to resume takes precedence.
+    # An HF Llama directory or .safetensors file, or a codatrain checkpoint (a step_<n> directory),
+    # whose weights start a fresh run (finetuning: new optimizer, step 0). A checkpoint to resume
+    # takes precedence.
     init_from: str | None = None
     save_hf_every: int = 0  # also write <run_dir>/hf/step_<n>/ every N steps and at the end (0: never)
 

@@ -10,9 +10,10 @@ from itertools import islice
 import numpy as np
 import pytest
 import torch
+from unigram import unigram_entropy
 
 from codatrain.config import DataConfig
-from codatrain.data import build_loaders, prepare_streams, unigram_entropy
+from codatrain.data import build_loaders, prepare_streams
 from codatrain.data.packing import PackedWindows, collate
 from codatrain.data.sources import EMBEDDED_PATH, EMBEDDED_SHA256, held_out_by_content
 

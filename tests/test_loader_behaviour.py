@@ -14,8 +14,9 @@ import torch
 from test_data_loader import IndexWindows, make, take
 from test_data_sources import word_tokenizer, write_jsonl
 from test_data_streaming import corpus, stream_config
+from unigram import unigram_entropy
 
-from codatrain.data import build_loaders, prepare_streams, unigram_entropy
+from codatrain.data import build_loaders, prepare_streams
 from codatrain.data.config import DataConfig, DataSource, OnBadData
 from codatrain.data.loader import SYNTHETIC_WINDOWS, PackedLoader, data_sources
 from codatrain.data.order import ORDER_VERSION

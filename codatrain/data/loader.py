@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
-import numpy as np
 import torch
 
 from codatrain.data.config import DataConfig, DataFormat, DataSource, OnBadData
@@ -193,7 +192,7 @@ def build_loaders(
         train_set, val_set, reports = build_sft_datasets(cfg, tokenizer)
         checks_split = cfg.held_out_fraction > 0
     elif cfg.streaming:
-        return _stream_loaders(cfg, tokenizer, common)
+        return _stream_loaders(cfg, common)
     elif cfg.source == DataSource.tokens:
         train_set, val_set, reports[0] = _token_dir_datasets(cfg, tokenizer)
     elif cfg.source != DataSource.synthetic:
@@ -236,9 +235,9 @@ def _token_dir_datasets(cfg: DataConfig,
     return train, val_set, report
 
 
-def _stream_loaders(cfg: DataConfig, tokenizer: Tokenizer,
-                    common: dict) -> tuple[StreamLoader, BoundedValidation | None]:
-    """The training stream of this rank and its bounded validation set (streaming.py)."""
+def _stream_loaders(cfg: DataConfig, common: dict) -> tuple[StreamLoader, BoundedValidation | None]:
+    """The training stream of this rank and its bounded validation set (streaming.py; its readers
+    load `cfg.tokenizer` themselves)."""
     main, val_source = data_sources(cfg)
     held_out = cfg.held_out_fraction
     skip_bad = cfg.on_bad_data == OnBadData.skip
@@ -311,13 +310,3 @@ def data_sources(cfg: DataConfig) -> tuple[Source, Source | None]:
     else:
         val = None
     return main, val
-
-
-def unigram_entropy(cfg: DataConfig) -> float:
-    """Entropy in nats per token of the training stream's token frequencies (BOS/EOS included): the
-    loss of the best model that ignores context, so a model that learns anything goes below it."""
-    streams = prepare_streams(cfg)
-    vocab_size = streams.tokenizer.vocab_size
-    counts = sum(np.bincount(tokens, minlength=vocab_size) for tokens, _ in streams.train.arrays())
-    p = counts[counts > 0] / streams.train.num_tokens
-    return float(-(p * np.log(p)).sum())

@@ -1,4 +1,4 @@
-"""Model definitions: configs and presets, the eager Llama, the CODA Llama."""
+"""Model definitions (docs/design.md §7 has the module map); `build_model` makes a block's model."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import torch
 from torch import nn
 
 from codatrain.kernels.resolve import ResolvedBlock
-from codatrain.model.config import PRESETS, LlamaConfig, get_preset
+from codatrain.model.config import LlamaConfig, get_preset
 from codatrain.model.llama import Llama
 
-__all__ = ["PRESETS", "LlamaConfig", "Llama", "build_model", "get_preset"]
+__all__ = ["LlamaConfig", "Llama", "build_model", "get_preset"]
 
 
 def build_model(cfg: LlamaConfig, block: ResolvedBlock, device: torch.device | None = None) -> nn.Module:

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from codatrain.model.layout import permute_rows
+from codatrain.model.layout import CanonicalModel, permute_rows
 from codatrain.train.parallelize import strip_wrapper_prefixes
 
 
@@ -34,8 +34,8 @@ class CanonicalMapping:
     Names are used without wrapper prefixes, as DCP's state-dict helpers report them.
     """
 
-    def __init__(self, model: nn.Module) -> None:
-        layout = model.layout()  # type: ignore[operator]
+    def __init__(self, model: CanonicalModel) -> None:
+        layout = model.layout()
         self.canonical = {native: entry.name for native, entry in layout.items()}
         self._to = {native: entry.inverse_order() for native, entry in layout.items()}
         self._from = {native: entry.row_order for native, entry in layout.items()}
@@ -58,7 +58,7 @@ Entry = tuple[str, dict[str, Any], str, str, bool]
 
 
 def state_entries(model_state: dict[str, Any], optim_state: dict[str, Any],
-             mapping: CanonicalMapping) -> list[Entry]:
+                  mapping: CanonicalMapping) -> list[Entry]:
     """Every tensor of a model and optimizer state dict (from DCP's helpers) and its checkpoint key."""
     entries = [
         (f"model.{mapping.canonical[native]}", model_state, native, native, True)

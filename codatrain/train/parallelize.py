@@ -16,6 +16,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from codatrain.model.init import native_init_tensor
+from codatrain.model.layout import CanonicalModel
 
 # Wrappers that activation checkpointing and torch.compile put into parameter names.
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
@@ -36,7 +37,7 @@ def _replace_block(model: nn.Module, block: nn.Module, new: nn.Module) -> None:
     raise ValueError("block is not a submodule of the model")
 
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
+def apply_activation_checkpointing(model: CanonicalModel) -> None:
     """Recompute every block but the last in backward. The last block's backward runs right after
     its forward, while every other block's checkpoint is alive, so recomputing it would not lower
     the peak; it would repeat its work (for the CODA model, the LM head's three GEMMs)."""
@@ -44,7 +45,7 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         _replace_block(model, block, checkpoint_wrapper(block))
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: CanonicalModel) -> None:
     for block in model.blocks():
         block.compile(fullgraph=False)
 
@@ -53,7 +54,7 @@ def data_parallel_mesh(device: torch.device, world_size: int) -> DeviceMesh:
     return init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, compute_dtype: torch.dtype) -> None:
+def apply_fsdp(model: CanonicalModel, mesh: DeviceMesh, compute_dtype: torch.dtype) -> None:
     """fully_shard each block, then the root (embedding, final norm, head and the rest).
 
     Below fp32 (bf16 on a GPU) the policy computes in `compute_dtype` with fp32 master weights and
@@ -94,9 +95,9 @@ def set_full_tensor(param: torch.Tensor, full: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, seed: int) -> None:
+def init_weights(model: CanonicalModel, seed: int) -> None:
     """`model.init_weights(seed)` for a model that may be wrapped and sharded: the same weights."""
-    layout = model.layout()  # type: ignore[operator]
+    layout = model.layout()
     for name, param in model.named_parameters():
         canonical = layout[strip_wrapper_prefixes(name)]
-        set_full_tensor(param, native_init_tensor(canonical, param.shape, model.cfg, seed))  # type: ignore[arg-type]
+        set_full_tensor(param, native_init_tensor(canonical, param.shape, model.cfg, seed))

@@ -63,7 +63,8 @@ _fa4_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 # ---- variable length: the documents of a packed batch, flattened to (B·T, heads, d_h) ----------
 # Queries and keys share the documents: one cu_seqlens for both. The forward and backward are
-# plain functions too, which scripts/precompile.py's specs call to compile the same kernels.
+# plain functions too, which the compile specs (codatrain/kernels/cute/precompile.py) call to compile
+# the same kernels.
 
 
 def varlen_forward(
