@@ -193,7 +193,7 @@ class CheckpointConfig:
 
 @dataclass
 class KernelsConfig:
-    """Precompiled CuTeDSL kernels (codatrain/kernels/precompile.py, scripts/precompile.py)."""
+    """Precompiled CuTeDSL kernels (codatrain/kernels/cache.py, scripts/precompile.py)."""
 
     # Where scripts/precompile.py built the kernels of this run (QuACK's and FA4's caches and a
     # manifest). null: the kernels compile on first use, into the libraries' default caches.

@@ -21,7 +21,7 @@ import sys
 from hydra.errors import ConfigCompositionException
 
 from codatrain.config import load_config, validate
-from codatrain.kernels.precompile import HOPPER_SMS, KernelCacheError, cache_problems, precompile
+from codatrain.kernels.cache import HOPPER_SMS, KernelCacheError, cache_problems, precompile
 from codatrain.train.plan import build_run_plan
 
 

@@ -1,4 +1,4 @@
-"""Precompiled CuTeDSL kernels (codatrain/kernels/precompile.py, codatrain/train/kernel_cache.py,
+"""Precompiled CuTeDSL kernels (codatrain/kernels/cache.py, codatrain/train/kernel_cache.py,
 scripts/precompile.py).
 
 The stamp, manifest and stale-cache switch run anywhere. With the cuda extras installed (CuTeDSL,
@@ -19,7 +19,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from codatrain.config import load_config, validate
-from codatrain.kernels.precompile import (
+from codatrain.kernels.cache import (
     MANIFEST,
     KernelCacheError,
     KernelShapes,

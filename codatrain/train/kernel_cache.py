@@ -1,4 +1,4 @@
-"""A training job's side of the kernel cache (`codatrain.kernels.precompile` owns the directory).
+"""A training job's side of the kernel cache (`codatrain.kernels.cache` owns the directory).
 
 Before anything imports a CuTeDSL library, `KernelCache` points QuACK and FA4 at
 `kernels.cache_dir`; once the run plan has resolved the block, `ensure` checks that the cache holds
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed
 
-from codatrain.kernels.precompile import KernelShapes, ensure_cache, point_libraries_at
+from codatrain.kernels.cache import KernelShapes, ensure_cache, point_libraries_at
 from codatrain.train.distributed import DistInfo
 
 
@@ -71,7 +71,7 @@ class KernelCache:
         since = "process start" if age is not None else "trainer setup"
         line = f"time to first step: {time.time() - started:.1f} s from {since}"
         if "codatrain.kernels.cute" in sys.modules:
-            from codatrain.kernels.cute.precompile import kernel_counts
+            from codatrain.kernels.cute.pins import kernel_counts
 
             loaded, compiled = kernel_counts(started)
             where = f" from {self.cache_dir}" if self.cache_dir is not None else ""

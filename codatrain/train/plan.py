@@ -15,7 +15,7 @@ import torch
 
 from codatrain.config import RunConfig
 from codatrain.data.config import DataConfig
-from codatrain.kernels.precompile import KernelShapes
+from codatrain.kernels.cache import KernelShapes
 from codatrain.kernels.resolve import ResolvedBlock, resolve_block
 from codatrain.model.config import LlamaConfig
 from codatrain.train.hf_io import run_data_config, run_model_config

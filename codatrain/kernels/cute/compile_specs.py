@@ -1,7 +1,8 @@
 """The CuTeDSL kernels a training config launches, as compile specs, and how to compile them
-without a GPU: the compile process that `codatrain.kernels.precompile` (which owns the cache
-directory) starts as ``python -m codatrain.kernels.cute.precompile``, and the count of kernels a
-training process loaded or compiled (`kernel_counts`).
+without a GPU: the compile process that `codatrain.kernels.cache` (which owns the cache
+directory) starts as ``python -m codatrain.kernels.cute.compile_specs``. How it compiles without a
+GPU (`compile_only`) and the count of kernels a process loaded or compiled (`kernel_counts`) reach
+into QuACK's and FA4's internals, so they live in pins.py.
 
 Each stage family contributes its kernels through one function of `KernelShapes`:
 `entry_kernels`, `forward_kernels`, `backward_kernels`, `attention_kernels` (`FAMILIES`). A
@@ -21,43 +22,43 @@ launches itself, as one calling its compile function.
 
 Importing this module needs the cuda extras. Compiling needs the target set in the environment
 before CuTeDSL is first imported (`CUTE_DSL_ARCH`, `QUACK_ARCH`, FA4's `FLASH_ATTENTION_ARCH` and
-`FLASH_ATTENTION_NUM_SMS`), as the compile processes started by `codatrain.kernels.precompile`
+`FLASH_ATTENTION_NUM_SMS`), as the compile processes started by `codatrain.kernels.cache`
 have it.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import faulthandler
 import json
 import os
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from unittest import mock
 
-import quack.cute_dsl_utils
-import quack.gemm_interface
-import quack.gemm_tvm_ffi_utils
-import quack.linear_cross_entropy
 import torch
 from flash_attn.cute import flash_attn_func
-from flash_attn.cute.interface import BIN_BATCH_SEARCH_THRESH, _flash_attn_bwd
-from quack.cache import CacheInfo
+from flash_attn.cute.interface import BIN_BATCH_SEARCH_THRESH
 from quack.cross_entropy import CrossEntropy
 from quack.cute_dsl_utils import torch2cute_dtype_map
-from quack.rms_final_reduce import _compile_rms_final_reduce
-from quack.rmsnorm import _bucket_T_hint, _compile_rmsnorm_bwd, _compile_rmsnorm_fwd
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from codatrain.kernels.attention import Documents, causal_attention
+from codatrain.kernels.cache import KernelShapes
 from codatrain.kernels.cute import CuteStages, entry, head, rowwise
 from codatrain.kernels.cute.attention import varlen_backward, varlen_forward
-from codatrain.kernels.precompile import KernelShapes
+from codatrain.kernels.cute.pins import (
+    bucket_t_hint,
+    compile_only,
+    compile_rms_final_reduce,
+    compile_rmsnorm_bwd,
+    compile_rmsnorm_fwd,
+    flash_attn_bwd,
+    kernel_lookups,
+    linear_cross_entropy_compile_only,
+)
 from codatrain.kernels.stages import IGNORE_INDEX, Rope
 
 # Training activations are bf16 (autocast on one GPU, FSDP2's param dtype on several);
@@ -152,7 +153,7 @@ def forward_kernels(s: KernelShapes) -> list[KernelSpec]:
     def rstd_reduce():
         # QuACK's reduction compiles per number of partials, which F1/F3's column tile decides.
         partials = out_proj().sq_partials
-        return _compile_rms_final_reduce(_cute(partials.dtype), partials.shape[1])
+        return compile_rms_final_reduce(_cute(partials.dtype), partials.shape[1])
 
     return [
         KernelSpec("F1 out-proj + residual + x² partials", out_proj),
@@ -218,9 +219,7 @@ def head_kernels(s: KernelShapes) -> list[KernelSpec]:
         )
 
     def linear_cross_entropy() -> object:
-        lce = quack.linear_cross_entropy
-        with mock.patch.object(lce, "lce_glue", lambda *args, **kwargs: None), \
-                mock.patch.object(lce, "cross_entropy_fwd_out", cross_entropy_compile_only):
+        with linear_cross_entropy_compile_only(cross_entropy_compile_only):
             return head.linear_cross_entropy(_act(m, d), _act(vocab, d), _index(m), rows, IGNORE_INDEX)
 
     summed, last_rows = head.dweight_parts(m, d, vocab, rows)
@@ -232,12 +231,12 @@ def head_kernels(s: KernelShapes) -> list[KernelSpec]:
                                     _act(last_rows, d), _stat(), ACT)
 
     return [
-        KernelSpec("final RMSNorm", lambda: _compile_rmsnorm_fwd(bf16, bf16, None, bf16, None, None, d, True,
+        KernelSpec("final RMSNorm", lambda: compile_rmsnorm_fwd(bf16, bf16, None, bf16, None, None, d, True,
                                                                  False, False, False)),
         KernelSpec("LM head linear cross-entropy, loss and gradients", linear_cross_entropy),
         *([KernelSpec("LM head weight gradient of the last chunk", pending_dweight)] if last_rows else []),
-        KernelSpec("final RMSNorm backward", lambda: _compile_rmsnorm_bwd(
-            d, bf16, bf16, bf16, bf16, False, None, None, True, False, T_hint=_bucket_T_hint(m))),
+        KernelSpec("final RMSNorm backward", lambda: compile_rmsnorm_bwd(
+            d, bf16, bf16, bf16, bf16, False, None, None, True, False, T_hint=bucket_t_hint(m))),
     ]
 
 
@@ -255,7 +254,7 @@ def attention_kernels(s: KernelShapes) -> list[KernelSpec]:
             with torch.no_grad():
                 out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
             if backward:
-                _flash_attn_bwd(q, k, v, out, torch.empty_like(out), lse, causal=True)
+                flash_attn_bwd(q, k, v, out, torch.empty_like(out), lse, causal=True)
             return out
 
         return lambda: causal_attention(
@@ -317,49 +316,6 @@ def kernel_specs(shapes: KernelShapes) -> list[KernelSpec]:
 # ---- compiling without a GPU ------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def compile_only(num_sms: int) -> Iterator[list[object]]:
-    """Trace and compile for a Hopper GPU that need not be there, launching nothing. Yields the
-    list of the QuACK launch plans whose launch it skipped so far.
-
-    - Tensors are fake (FakeTensorMode): real shapes, strides and dtypes, no memory, no driver.
-    - QuACK sends every GEMM launch through `launch_gemm`, which does nothing here.
-    - QuACK's `gemm_add_inplace` calls its torch custom op even in eager mode, and under
-      FakeTensorMode that op runs its fake, which compiles nothing: here it calls the op's own
-      implementation directly, as QuACK's eager paths do for its other ops.
-    - QuACK asks the driver how many clusters fit on the GPU (`get_max_active_clusters`) to size
-      the persistent grid of a launch plan. Here the target answers instead: a Hopper GEMM CTA
-      fills an SM, so num_sms // cluster_size clusters (66 of 2 CTAs on a 132-SM H100 SXM or
-      H200). The number only sizes the grid of a launch that never happens; no compiled kernel
-      depends on it.
-    """
-    launch = quack.gemm_tvm_ffi_utils.launch_gemm
-    clusters = quack.cute_dsl_utils.get_max_active_clusters
-    skipped: list[object] = []
-
-    def skip_launch(plan: object, *args: object, **kwargs: object) -> None:
-        del args, kwargs
-        skipped.append(plan)
-
-    def target_clusters(cluster_size: int, *args: object, **kwargs: object) -> int:
-        del args, kwargs
-        return num_sms // cluster_size
-
-    with contextlib.ExitStack() as stack:
-        # QuACK's modules import both functions by name: replace every module's reference.
-        quack_modules = [module for name, module in sys.modules.items() if name.split(".")[0] == "quack"]
-        for module in quack_modules:
-            for attr, value in list(vars(module).items()):
-                if value is launch:
-                    stack.enter_context(mock.patch.object(module, attr, skip_launch))
-                elif value is clusters:
-                    stack.enter_context(mock.patch.object(module, attr, target_clusters))
-        add_inplace = quack.gemm_interface.gemm_add_inplace_op._init_fn
-        stack.enter_context(mock.patch.object(quack.gemm_interface, "gemm_add_inplace_op", add_inplace))
-        stack.enter_context(FakeTensorMode())
-        yield skipped
-
-
 def compile_specs(
     specs: list[KernelSpec], num_sms: int, log: Callable[[str], None] = print
 ) -> dict[str, float]:
@@ -371,69 +327,17 @@ def compile_specs(
     seconds = {}
     with compile_only(num_sms) as skipped_launches:
         for i, spec in enumerate(specs, 1):
-            start, reached = time.perf_counter(), (_kernel_lookups(), len(skipped_launches))
+            start, reached = time.perf_counter(), (kernel_lookups(), len(skipped_launches))
             faulthandler.dump_traceback_later(SPEC_TIMEOUT_S, exit=True)
             try:
                 spec.compile()
             finally:
                 faulthandler.cancel_dump_traceback_later()
-            if (_kernel_lookups(), len(skipped_launches)) == reached:
+            if (kernel_lookups(), len(skipped_launches)) == reached:
                 raise RuntimeError(f"kernel spec {spec.name!r} reached no kernel; training would compile it")
             seconds[spec.name] = round(time.perf_counter() - start, 2)
             log(f"{i}/{len(specs)} {spec.name}: {seconds[spec.name]:.1f} s")
     return seconds
-
-
-def _kernel_lookups() -> int:
-    """How often a kernel was fetched from a compile cache so far (compiled, loaded or in memory)."""
-    quack_lookups = sum(info.hits + info.misses for info in (c.cache_info() for c in jit_compilers()))
-    return quack_lookups + sum(len(cache.cache) for cache in fa4_caches())
-
-
-# ---- what a process compiled ----------------------------------------------------------------------
-
-
-def jit_compilers() -> list[Callable]:
-    """QuACK's `jit_cache` compile functions (its own and codatrain's) loaded in this process."""
-    found: dict[int, Callable] = {}
-    for name, module in list(sys.modules.items()):
-        if name.split(".")[0] == "quack" or name.startswith("codatrain.kernels.cute"):
-            for value in list(vars(module).values()):
-                # A jit_cache wrapper: one kernel per key in `cache`, and QuACK's CacheInfo counts.
-                info = getattr(value, "cache_info", None)
-                if isinstance(getattr(value, "cache", None), dict) and callable(info):
-                    if isinstance(info(), CacheInfo):
-                        found[id(value)] = value
-    return list(found.values())
-
-
-def fa4_caches() -> list:
-    """FA4's compile caches (one per kernel kind: forward, backward, their helpers), if loaded."""
-    fa4 = sys.modules.get("flash_attn.cute.interface")
-    if fa4 is None:
-        return []
-    caches = (getattr(value, "compile_cache", None) for value in list(vars(fa4).values()))
-    return list({id(cache): cache for cache in caches if cache is not None}.values())
-
-
-def kernel_counts(since: float) -> tuple[int, int]:
-    """(kernels loaded from disk, kernels compiled) by this process, started at wall-clock time
-    `since`, over QuACK's compile functions and FA4's compile caches."""
-    loaded = compiled = 0
-    for compiler in jit_compilers():
-        info = compiler.cache_info()
-        loaded += info.currsize - info.misses
-        compiled += info.misses
-    for cache in fa4_caches():
-        # FA4 does not count. With its disk cache on, it exports every kernel it compiles, so
-        # this process's compiles are the objects written since it started.
-        fresh = len(cache.cache)
-        if hasattr(cache, "cache_path"):
-            written = sum(path.stat().st_mtime >= since for path in Path(cache.cache_path).glob("*.o"))
-            fresh = min(fresh, written)
-        compiled += fresh
-        loaded += len(cache.cache) - fresh
-    return loaded, compiled
 
 
 # ---- the compile process ----------------------------------------------------------------------
@@ -441,7 +345,7 @@ def kernel_counts(since: float) -> tuple[int, int]:
 
 def _worker(argv: list[str]) -> None:
     """One compile process: compiles its share (`--part i/n`) of the kernel specs of `--shapes`
-    and writes [[spec name, seconds], …] to `--report`. Started by `codatrain.kernels.precompile`
+    and writes [[spec name, seconds], …] to `--report`. Started by `codatrain.kernels.cache`
     with the environment of its `_compile_env`, which CuTeDSL read when it was first imported."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", required=True)
