@@ -151,6 +151,17 @@ def test_a_private_name_that_is_gone_names_the_pin():
         private_name("quack.rmsnorm", "_gone", "quack-kernels")
 
 
+def test_layout_tables_are_applied_in_one_place():
+    """Outside the models, only CanonicalMapping reads a layout table: checkpoints, HF import and
+    export and weight init all go through it."""
+    readers = sorted(
+        module for module, path in MODULES.items() if not module.startswith("codatrain.model")
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "layout"
+    )
+    assert readers == ["codatrain.train.canonical_state"]
+
+
 def test_the_graph_sees_imports():
     # The checks above pass on an empty graph too: make sure it holds the edges it should.
     assert "codatrain.kernels.stages" in GRAPH["codatrain.model.coda"]

@@ -2,7 +2,7 @@
 implementation and of sharding: each canonical tensor is drawn from its own seeded generator.
 
 `init_canonical_weights` fills a plain model; the trainer fills a wrapped or FSDP2-sharded one
-with `codatrain.train.parallelize.init_weights`, from the same `native_init_tensor`s."""
+with `codatrain.train.canonical_state.init_weights`, from the same `canonical_init_tensor`s."""
 
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ from codatrain.config import RunConfig, validate
 from codatrain.data import build_loaders
 from codatrain.kernels.stages import IGNORE_INDEX
 from codatrain.model import build_model
+from codatrain.train.canonical_state import init_weights
 from codatrain.train.checkpoint import CHECKPOINTS_DIR, checkpoint_dirs
 from codatrain.train.checkpointer import Checkpointer
 from codatrain.train.distributed import (
@@ -40,7 +41,6 @@ from codatrain.train.parallelize import (
     apply_compile,
     apply_fsdp,
     data_parallel_mesh,
-    init_weights,
     reshard_after_eval,
 )
 from codatrain.train.plan import build_run_plan
