@@ -4,7 +4,8 @@
 enum, so a misspelled key, a value of the wrong type or an unknown choice fails at composition with
 a message that names the key. What a type cannot say (a count must be positive, an option needs
 another) each node checks in `__post_init__`, which runs when `validate` builds the typed
-`RunConfig` at the start of `train()`.
+`RunConfig` at the start of `train()`. The `data` node is the data layer's own `DataConfig`
+(codatrain/data/config.py), which knows nothing of Hydra.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from codatrain.data.config import DataConfig, require_not_negative, require_positive
 from codatrain.model.config import ARCHITECTURE_FIELDS, LlamaConfig, get_preset
 
 # `model=hf`: no preset, the architecture of the weights checkpoint.init_from names.
@@ -43,40 +45,6 @@ class AttentionChoice(StrEnum):
     auto = "auto"
 
 
-class DataSource(StrEnum):
-    embedded = "embedded"
-    synthetic = "synthetic"
-    files = "files"
-    hub = "hub"
-    tokens = "tokens"  # a token directory written by scripts/tokenize_corpus.py
-
-
-class OnBadData(StrEnum):
-    fail = "fail"  # stop the run, naming the file and line or row
-    skip = "skip"  # leave the row out and count it
-
-
-class DataFormat(StrEnum):
-    text = "text"  # documents: every token is a target (pretraining)
-    sft = "sft"  # instruction examples: targets only on the assistant's tokens (codatrain/data/sft.py)
-
-
-class SFTTemplate(StrEnum):
-    auto = "auto"  # the tokenizer's chat template where it has one, else plain
-    plain = "plain"  # [BOS] <|role|>\n content [EOS] ... for every tokenizer
-
-
-class SFTOverlong(StrEnum):
-    truncate = "truncate"
-    drop = "drop"
-
-
-class TextSampleBy(StrEnum):
-    document = "document"
-    paragraph = "paragraph"
-    line = "line"
-
-
 class Schedule(StrEnum):
     cosine = "cosine"
     wsd = "wsd"
@@ -98,20 +66,6 @@ class WandbMode(StrEnum):
     disabled = "disabled"
     offline = "offline"
     online = "online"
-
-
-def _require_positive(node: object, prefix: str, *names: str) -> None:
-    for name in names:
-        value = getattr(node, name)
-        if value <= 0:
-            raise ValueError(f"{prefix}.{name} must be positive, got {value}")
-
-
-def _require_not_negative(node: object, prefix: str, *names: str) -> None:
-    for name in names:
-        value = getattr(node, name)
-        if value < 0:
-            raise ValueError(f"{prefix}.{name} must be 0 or more, got {value}")
 
 
 def model_config(cfg: Any, folder: LlamaConfig | None = None, source: str = "") -> LlamaConfig:
@@ -171,49 +125,6 @@ class BlockConfig:
 
 
 @dataclass
-class DataConfig:
-    """Where the tokens come from and how they are cut; codatrain.data.build_loaders reads it."""
-
-    source: DataSource = DataSource.embedded
-    path: str | None = None  # files: a file, a folder or a glob; hub: the dataset name; tokens: the directory
-    name: str | None = None  # hub: dataset configuration name
-    split: str = "train"  # hub: the training split
-    # files, hub: tokenize in the DataLoader workers while training, no cache (sft: read records as a stream)
-    streaming: bool = False
-    on_bad_data: OnBadData = OnBadData.fail  # streaming: a bad line, row or file stops the run or is skipped
-    val_tokens: int = 1 << 18  # streaming: size of the bounded validation set, in tokens
-    text_column: str = "text"  # json / parquet / hub column holding the document text
-    text_sample_by: TextSampleBy = TextSampleBy.document  # plain-text files: what one document is
-    max_documents: int | None = None  # use only the first N documents of the source
-    # byte | a local HF tokenizer.json or tokenizer folder; null: the tokenizer checkpoint.init_from
-    # was trained with (a checkpoint's record, an HF folder's own) where known, else byte
-    tokenizer: str | None = None
-    seq_len: int = 128
-    keep_document_boundaries: bool = False  # batches carry per-token document ids (Batch.doc_ids)
-    val_fraction: float = 0.02  # held-out share of documents, when no val_path / val_split is given
-    val_path: str | None = None  # a separate validation file, folder or glob (same formats as path)
-    val_split: str | None = None  # hub: a separate validation split, e.g. "validation"
-    num_workers: int = 1  # background DataLoader processes for training batches (0: main process)
-    cache_dir: str | None = None  # token cache (and datasets' cache); default: the HF datasets cache
-    shuffle: bool = True  # a new seeded order every epoch
-    # streaming (with shuffle): documents drawn at random from a pool of this many, read ahead
-    shuffle_buffer: int = 256
-    format: DataFormat = DataFormat.text  # sft: chat `messages` or `prompt`/`response` records
-    sft_template: SFTTemplate = SFTTemplate.auto  # sft: how a conversation becomes tokens
-    sft_overlong: SFTOverlong = SFTOverlong.truncate  # sft: examples longer than seq_len + 1 tokens
-
-    def __post_init__(self) -> None:
-        _require_positive(self, "data", "seq_len", "val_tokens")
-        _require_not_negative(self, "data", "shuffle_buffer")
-        if self.streaming and self.source not in (DataSource.files, DataSource.hub):
-            raise ValueError(f"data.streaming=true streams data.source=files or hub, not "
-                             f"{str(self.source)!r}")
-        if self.format == DataFormat.sft and self.source not in (DataSource.files, DataSource.hub):
-            raise ValueError(f"data.format=sft reads JSON-lines files or a Hub dataset; it needs "
-                             f"data.source=files or hub, not {str(self.source)!r}")
-
-
-@dataclass
 class OptimConfig:
     """AdamW and its schedule. Each model config (configs/model/<preset>.yaml) sets these keys to
     its training recipe; the defaults here serve a model config that has none."""
@@ -251,12 +162,12 @@ class TrainConfig:
     profile_skip: int = 5  # steps before profiling starts (one more is the profiler's warm-up)
 
     def __post_init__(self) -> None:
-        _require_positive(self, "train", "steps", "micro_batch_size", "log_every")
+        require_positive(self, "train", "steps", "micro_batch_size", "log_every")
         if self.tokens_per_step is not None:
-            _require_positive(self, "train", "tokens_per_step")
+            require_positive(self, "train", "tokens_per_step")
         if self.val_every > 0:
-            _require_positive(self, "train", "val_batches")
-        _require_not_negative(self, "train", "skip_nonfinite_steps", "profile_steps", "profile_skip")
+            require_positive(self, "train", "val_batches")
+        require_not_negative(self, "train", "skip_nonfinite_steps", "profile_steps", "profile_skip")
 
 
 @dataclass
@@ -270,18 +181,19 @@ class CheckpointConfig:
     # skipped with a warning); none: start fresh (an error if the run dir has checkpoints);
     # <path>: continue from that step_<n> directory, which must be complete.
     resume: str = "auto"
-    # HF Llama directory or .safetensors file whose weights start a fresh run (finetuning: new
-    # optimizer, step 0). A checkpoint to resume takes precedence.
+    # An HF Llama directory or .safetensors file, or a codatrain checkpoint (a step_<n> directory),
+    # whose weights start a fresh run (finetuning: new optimizer, step 0). A checkpoint to resume
+    # takes precedence.
     init_from: str | None = None
     save_hf_every: int = 0  # also write <run_dir>/hf/step_<n>/ every N steps and at the end (0: never)
 
     def __post_init__(self) -> None:
-        _require_not_negative(self, "checkpoint", "every", "save_hf_every")
+        require_not_negative(self, "checkpoint", "every", "save_hf_every")
 
 
 @dataclass
 class KernelsConfig:
-    """Precompiled CuTeDSL kernels (codatrain/kernels/precompile.py, scripts/precompile.py)."""
+    """Precompiled CuTeDSL kernels (codatrain/kernels/cache.py, scripts/precompile.py)."""
 
     # Where scripts/precompile.py built the kernels of this run (QuACK's and FA4's caches and a
     # manifest). null: the kernels compile on first use, into the libraries' default caches.

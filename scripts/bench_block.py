@@ -554,7 +554,7 @@ def main() -> None:
     cfg = get_preset(args.model)
     dtype = torch.bfloat16
     block = resolve_block("coda", args.impl, args.attention, device)
-    s, ref = get_backend(block.backend, device), get_backend("reference", device)
+    s, ref = block.stages, get_backend("reference", device)
     attention_name = block.attention
     x = Inputs(cfg, args.tokens, args.seq_len, device, dtype, s.head_chunk_rows(cfg.vocab_size))
     print(f"{args.model} M={args.tokens} impl={s.name} attention={attention_name} "

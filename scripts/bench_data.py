@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from codatrain.config import DataConfig, DataSource
 from codatrain.data import build_loaders
+from codatrain.data.config import DataConfig, DataSource
 from codatrain.data.pretokenize import tokenize_to_dir
 
 

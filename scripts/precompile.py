@@ -19,13 +19,10 @@ import argparse
 import sys
 
 from hydra.errors import ConfigCompositionException
-from omegaconf import OmegaConf
 
 from codatrain.config import load_config, validate
-from codatrain.kernels.precompile import HOPPER_SMS, KernelCacheError, cache_problems, precompile
-from codatrain.kernels.resolve import resolve_block
-from codatrain.train.hf_io import run_model_config
-from codatrain.train.kernel_cache import kernel_shapes
+from codatrain.kernels.cache import HOPPER_SMS, KernelCacheError, cache_problems, precompile
+from codatrain.train.plan import build_run_plan
 
 
 def main(argv: list[str]) -> int | str:
@@ -42,19 +39,17 @@ def main(argv: list[str]) -> int | str:
     if not any(o.split("=")[0].lstrip("+~") == "block" for o in overrides):
         overrides = ["block=coda", *overrides]
     try:
-        cfg = load_config(overrides)
-        validate(cfg)
-        run = OmegaConf.to_object(cfg)
-        # Resolved for the target, a Hopper GPU with the cuda extras (device None).
-        block = resolve_block(run.block.impl, run.block.backend, run.block.attention, None,
-                              run_model_config(run).head_dim)
-        shapes = kernel_shapes(run, block)
+        run = validate(load_config(overrides))
+        # The training job's plan, for the target: a Hopper GPU with the cuda extras (device None).
+        plan = build_run_plan(run, None)
     except (ValueError, ConfigCompositionException) as error:
         return f"error: {error}"
     if run.kernels.cache_dir is None:
         return "error: say where the kernels go: kernels.cache_dir=<dir> (the training job takes the same)"
+    print("\n".join(plan.header()))
+    shapes = plan.kernel_shapes
     if not shapes.any:
-        print(f"{run.block} launches no CuTeDSL kernels: nothing to compile")
+        print(f"block={plan.block.describe()} launches no CuTeDSL kernels: nothing to compile")
         return 0
 
     if args.check:

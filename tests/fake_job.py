@@ -14,12 +14,13 @@ import sys
 import time
 from unittest import mock
 
-import quack.linear_cross_entropy
 import torch
 
-from codatrain.kernels.cute import head
-from codatrain.kernels.cute.precompile import compile_only, kernel_counts
-from codatrain.kernels.precompile import HOPPER_SMS, KernelShapes
+from codatrain.kernels.attention import sdpa_attention
+from codatrain.kernels.cache import HOPPER_SMS, KernelShapes
+from codatrain.kernels.cute import CuteStages, head
+from codatrain.kernels.cute.pins import compile_only, kernel_counts, skipping_lce_glue
+from codatrain.kernels.resolve import ResolvedBlock
 from codatrain.model.coda import CodaLlama
 from codatrain.model.config import LlamaConfig
 
@@ -32,9 +33,9 @@ def main(shapes: KernelShapes) -> dict:
     # usual answer (the rerun's kernels are compiled by the same spec). Its SM count only sizes
     # an output; its scaled-exp glue is Triton's, which a CPU cannot even trace.
     with compile_only(HOPPER_SMS), mock.patch.object(head, "scaled_exp_is_exact", lambda loss: True), \
-            mock.patch.object(head, "get_sm_count", lambda *args: HOPPER_SMS), \
-            mock.patch.object(quack.linear_cross_entropy, "lce_glue", lambda *args, **kwargs: None):
-        model = CodaLlama(cfg, backend="cute", attention="sdpa")  # fake parameters, initialised
+            mock.patch.object(head, "get_sm_count", lambda *args: HOPPER_SMS), skipping_lce_glue():
+        # The cute stages without a device check (there is none), and fake parameters, initialised.
+        model = CodaLlama(cfg, ResolvedBlock("coda", "cute", "sdpa", CuteStages(), sdpa_attention))
         tokens = torch.zeros(shapes.batch, shapes.seq_len, dtype=torch.int64)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(tokens, tokens)

@@ -17,7 +17,7 @@ from codatrain.model.llama import Llama
 CFG = LlamaConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=24, vocab_size=256, max_seq_len=12)
 
 
-@pytest.mark.parametrize("make", [Llama, lambda cfg: CodaLlama(cfg, backend="reference", attention="sdpa")],
+@pytest.mark.parametrize("make", [Llama, lambda cfg: CodaLlama(cfg)],
                          ids=["eager", "coda"])
 def test_model_accepts_a_sequence_of_exactly_max_seq_len(make):
     model = make(CFG)

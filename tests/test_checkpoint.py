@@ -21,11 +21,16 @@ from codatrain.model import Llama, get_preset
 from codatrain.model.hf import save_hf
 from codatrain.model.layout import Canonical
 from codatrain.train import checkpoint_files
-from codatrain.train.canonical_state import CanonicalMapping, canonical_state
+from codatrain.train.canonical_state import (
+    CanonicalMapping,
+    canonical_state,
+    init_weights,
+    strip_wrapper_prefixes,
+)
 from codatrain.train.checkpoint import CheckpointError, inspect_checkpoint, replace_dir
 from codatrain.train.checkpointer import Checkpointer
 from codatrain.train.hf_io import load_hf_weights
-from codatrain.train.parallelize import apply_activation_checkpointing, init_weights, strip_wrapper_prefixes
+from codatrain.train.parallelize import apply_activation_checkpointing
 
 CFG = get_preset("tiny").replace(n_layers=2, vocab_size=203)  # 203 rows: uneven FSDP2 shards
 

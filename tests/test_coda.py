@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from model_states import random_canonical_state
 
 from codatrain.kernels.attention import sdpa_attention
-from codatrain.kernels.stages import BackendUnavailableError, get_backend
+from codatrain.kernels.resolve import ResolvedBlock, resolve_block
+from codatrain.kernels.stages import get_backend
 from codatrain.model.coda import CodaLlama
 from codatrain.model.config import LlamaConfig, get_preset
 from codatrain.model.llama import IGNORE_INDEX, Llama, lm_loss
@@ -17,7 +18,7 @@ def model_pair(cfg, dtype, seed=0, head_chunk_rows=None):
     state = random_canonical_state(cfg, dtype, seed)
     eager = Llama(cfg).to(dtype)
     eager.load_state_dict(state)
-    coda = CodaLlama(cfg, backend="reference", attention="sdpa", head_chunk_rows=head_chunk_rows).to(dtype)
+    coda = CodaLlama(cfg, head_chunk_rows=head_chunk_rows).to(dtype)
     load_canonical(coda, state)
     return eager, coda
 
@@ -197,7 +198,7 @@ def test_canonical_state_round_trip_gives_identical_logits():
     eager = Llama(cfg)
     eager.init_weights(seed=3)
     state = eager.state_dict()
-    coda = CodaLlama(cfg, backend="reference", attention="sdpa")
+    coda = CodaLlama(cfg)
     load_canonical(coda, state)
     tokens = torch.randint(0, cfg.vocab_size, (2, 32))
     with torch.no_grad():
@@ -213,7 +214,7 @@ def test_meta_build_and_seeded_init_equal_eager_init():
     as the eager model with that seed (init is drawn per canonical tensor)."""
     cfg = get_preset("tiny").replace(n_layers=3)
     with torch.device("meta"):
-        coda = CodaLlama(cfg, backend="reference", attention="sdpa")
+        coda = CodaLlama(cfg)
     coda.to_empty(device="cpu")
     coda.init_weights(seed=11)
     eager = Llama(cfg)
@@ -236,16 +237,13 @@ def test_a_model_built_off_meta_starts_from_the_eager_models_seed_0_weights():
     for name, tensor in state.items():
         assert torch.equal(back[name], tensor), name
 
-def test_a_model_refuses_kernels_that_cannot_run_on_its_device():
-    cfg, cpu = CONFIGS["mha-L1"], torch.device("cpu")
-    with pytest.raises(BackendUnavailableError, match="'cute' cannot run on cpu"):
-        CodaLlama(cfg, backend="cute", attention="sdpa", device=cpu)
-    with pytest.raises(BackendUnavailableError, match="'fa4' needs an sm_90 GPU, not cpu"):
-        CodaLlama(cfg, backend="reference", attention="fa4", device=cpu)
+def test_a_model_takes_only_a_block_resolved_for_a_device():
+    with pytest.raises(ValueError, match="resolved without a device: it names the kernels but holds none"):
+        CodaLlama(CONFIGS["mha-L1"], resolve_block("coda", "cute", "fa4", None))
 
 def test_blocks_own_every_parameter_once_and_names_are_a_bijection():
     cfg = CONFIGS["mqa6-L5"]
-    coda = CodaLlama(cfg, backend="reference", attention="sdpa")
+    coda = CodaLlama(cfg)
     blocks = coda.blocks()
     assert len(blocks) == cfg.n_layers + 1
     owned = [id(p) for block in blocks for p in block.parameters()]
@@ -329,14 +327,17 @@ def test_coda_keeps_less_for_backward_than_eager(name, dtype):
 
 
 def test_a_width_the_cute_kernels_cannot_take_is_refused_at_construction():
-    """block=coda on the cute backend names a width that is not whole 16-byte rows when the model
+    """block=coda on the cute stages names a width that is not whole 16-byte rows when the model
     is built (on the meta device, as the trainer builds it), before any kernel compiles; the
-    reference backend takes it, and any vocabulary runs on both."""
+    reference stages take it, and any vocabulary runs on both."""
     pytest.importorskip("quack")
+    from codatrain.kernels.cute import CuteStages
+
+    cute = ResolvedBlock("coda", "cute", "sdpa", CuteStages(), sdpa_attention)
     cfg = LlamaConfig(dim=64, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=100, vocab_size=50257)
     refusal = r"^model.ffn_dim=100 .*\(nearest: 96 or 104\)$"
     with torch.device("meta"), pytest.raises(ValueError, match=refusal):
-        CodaLlama(cfg, backend="cute", attention="sdpa")
+        CodaLlama(cfg, cute)
     with torch.device("meta"):
-        CodaLlama(cfg, backend="reference", attention="sdpa")
-        CodaLlama(cfg.replace(ffn_dim=104), backend="cute", attention="sdpa")
+        CodaLlama(cfg)
+        CodaLlama(cfg.replace(ffn_dim=104), cute)

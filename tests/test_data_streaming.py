@@ -19,8 +19,9 @@ import torch
 from test_checkpoint_resume import FAST, Crash, crash_on_step_call
 from test_data_sources import word_tokenizer
 
-from codatrain.config import DataConfig, DataSource, OnBadData, load_config
+from codatrain.config import load_config
 from codatrain.data import build_loaders, pretokenize
+from codatrain.data.config import DataConfig, DataSource, OnBadData
 from codatrain.data.pretokenize import tokenize_to_dir
 from codatrain.data.sources import DataFileError, held_out_by_content
 from codatrain.data.streaming import CHUNK_ROWS

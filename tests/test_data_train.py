@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from unigram import unigram_entropy
 
 from codatrain.config import DataConfig, load_config
-from codatrain.data import unigram_entropy
 
 REPO = Path(__file__).resolve().parent.parent
 

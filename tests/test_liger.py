@@ -8,6 +8,7 @@ import importlib.metadata
 import pytest
 import torch
 
+from codatrain.kernels.resolve import ResolvedBlock
 from codatrain.kernels.stages import BackendUnavailableError
 from codatrain.model import build_model
 from codatrain.model.config import get_preset
@@ -27,7 +28,7 @@ CFG = get_preset("tiny").replace(n_layers=2)
 
 def test_build_on_cpu_names_the_requirement():
     with pytest.raises(BackendUnavailableError) as info:
-        build_model(CFG, "liger", device=torch.device("cpu"))
+        build_model(CFG, ResolvedBlock("liger", None, None), device=torch.device("cpu"))
     assert str(info.value) == f"{REQUIREMENT}; here the model is on cpu"
     assert "liger-kernel 0.8.5" in REQUIREMENT and "pip install 'codatrain[liger]'" in REQUIREMENT
 
@@ -59,7 +60,7 @@ def test_each_missing_piece_is_named(monkeypatch, fresh_reasons):
 
 
 def test_same_parameters_names_and_init_as_eager():
-    eager, liger = Llama(CFG), build_model(CFG, "liger", device=None)  # None: not checked
+    eager, liger = Llama(CFG), build_model(CFG, ResolvedBlock("liger", None, None))  # no device: not checked
     assert isinstance(liger, LigerLlama)
     eager_state, liger_state = eager.state_dict(), liger.state_dict()
     assert list(liger_state) == list(eager_state)

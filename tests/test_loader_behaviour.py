@@ -14,13 +14,15 @@ import torch
 from test_data_loader import IndexWindows, make, take
 from test_data_sources import word_tokenizer, write_jsonl
 from test_data_streaming import corpus, stream_config
+from unigram import unigram_entropy
 
-from codatrain.config import DataConfig, DataSource, OnBadData
-from codatrain.data import build_loaders, prepare_streams, unigram_entropy
+from codatrain.data import build_loaders, prepare_streams
+from codatrain.data.config import DataConfig, DataSource, OnBadData
 from codatrain.data.loader import SYNTHETIC_WINDOWS, PackedLoader, data_sources
 from codatrain.data.order import ORDER_VERSION
 from codatrain.data.packing import SyntheticWindows
 from codatrain.data.pretokenize import tokenize_to_dir
+from codatrain.data.sources import SPLIT_VERSION
 
 
 def build(cfg, batch_size=2, rank=0, world_size=1, seed=0, max_seq_len=64, model_vocab_size=512):
@@ -78,7 +80,7 @@ def test_state_records_the_position_seed_data_and_order_version():
     loader = make(30, batch_size=2, seed=5)
     take(loader, 2)
     assert loader.state_dict() == {"epoch": 0, "offset": 4, "seed": 5, "num_windows": 30, "seq_len": 3,
-                                   "order": ORDER_VERSION}
+                                   "order": ORDER_VERSION, "split": SPLIT_VERSION}
 
 
 def test_state_of_another_window_length_is_rejected_naming_both_values():
@@ -112,7 +114,7 @@ def test_too_little_data_names_the_windows_and_the_global_batch():
 def test_bad_sizes_ranks_seeds_fractions_and_worker_counts_are_refused_with_their_values():
     synthetic = DataConfig(source="synthetic", seq_len=1)
     refused = [
-        (dict(batch_size=0), "data.seq_len=1 and batch_size=0 must be positive"),
+        (dict(batch_size=0), "batch_size=0 must be positive"),
         (dict(rank=1), "rank 1 is not in a world of size 1"),
         (dict(rank=-1, world_size=2), "rank -1 is not in a world of size 2"),
         (dict(seed=-1), "the data seed must be non-negative, got -1"),
@@ -120,15 +122,13 @@ def test_bad_sizes_ranks_seeds_fractions_and_worker_counts_are_refused_with_thei
     for args, message in refused:
         with pytest.raises(ValueError, match=exactly(message)):
             build(synthetic, **args)
+    # The data config's own values are checked where it is built (codatrain/data/config.py).
     for overrides, message in [(dict(val_fraction=1.0), "data.val_fraction=1.0 is not in [0, 1)"),
                                (dict(val_fraction=-0.1), "data.val_fraction=-0.1 is not in [0, 1)"),
-                               (dict(num_workers=-1), "data.num_workers=-1 must be >= 0")]:
+                               (dict(num_workers=-1), "data.num_workers must be 0 or more, got -1"),
+                               (dict(seq_len=0), "data.seq_len must be positive, got 0")]:
         with pytest.raises(ValueError, match=exactly(message)):
-            build(DataConfig(source="synthetic", seq_len=1, **overrides))
-    zero_length = DataConfig(source="synthetic", seq_len=1)
-    zero_length.seq_len = 0  # set after the config's own check
-    with pytest.raises(ValueError, match=exactly("data.seq_len=0 and batch_size=1 must be positive")):
-        build(zero_length, batch_size=1)
+            DataConfig(source="synthetic", **{"seq_len": 1, **overrides})
     # The smallest accepted values of each.
     train, val = build(DataConfig(source="synthetic", seq_len=1, val_fraction=0.0, num_workers=0),
                        batch_size=1, rank=1, world_size=2, seed=0, max_seq_len=1)

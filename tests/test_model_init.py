@@ -1,4 +1,5 @@
-"""Fresh models are reproducible from their seed, and the LM-head chunking policy stays in bounds."""
+"""Fresh models are reproducible from their seed, every block keeps the model contract the train
+layer relies on, and the LM-head chunking policy stays in bounds."""
 
 import pytest
 import torch
@@ -7,12 +8,23 @@ from codatrain.kernels.reference import ReferenceStages
 from codatrain.kernels.stages import HEAD_CHUNK_ELEMENTS, HEAD_CHUNK_MULTIPLE
 from codatrain.model.coda import CodaLlama
 from codatrain.model.config import get_preset
+from codatrain.model.layout import CanonicalModel
+from codatrain.model.liger import LigerLlama
 from codatrain.model.llama import Llama
 
 CFG = get_preset("tiny").replace(n_layers=2)
 
 
-@pytest.mark.parametrize("make", [Llama, lambda cfg: CodaLlama(cfg, backend="reference", attention="sdpa")],
+@pytest.mark.parametrize("make", [Llama, CodaLlama, LigerLlama], ids=["eager", "coda", "liger"])
+def test_every_block_keeps_the_model_contract(make):
+    model = make(CFG)
+    assert isinstance(model, CanonicalModel)
+    assert set(model.layout()) == {name for name, _ in model.named_parameters()}
+    owned = [id(p) for block in model.blocks() for p in block.parameters()]
+    assert len(owned) == len(set(owned))  # no parameter in two blocks
+
+
+@pytest.mark.parametrize("make", [Llama, lambda cfg: CodaLlama(cfg)],
                          ids=["eager", "coda"])
 def test_two_fresh_models_from_one_seed_are_equal(make):
     a, b = make(CFG), make(CFG)

@@ -1,4 +1,4 @@
-"""Precompiled CuTeDSL kernels (codatrain/kernels/precompile.py, codatrain/train/kernel_cache.py,
+"""Precompiled CuTeDSL kernels (codatrain/kernels/cache.py, codatrain/train/kernel_cache.py,
 scripts/precompile.py).
 
 The stamp, manifest and stale-cache switch run anywhere. With the cuda extras installed (CuTeDSL,
@@ -20,7 +20,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from codatrain.config import load_config, validate
-from codatrain.kernels.precompile import (
+from codatrain.kernels.cache import (
     HOPPER_SMS,
     MANIFEST,
     KernelCacheError,
@@ -31,9 +31,9 @@ from codatrain.kernels.precompile import (
     ensure_cache,
     read_manifest,
 )
-from codatrain.kernels.resolve import resolve_block
 from codatrain.train.distributed import DistInfo
-from codatrain.train.kernel_cache import KernelCache, kernel_shapes, process_age_s
+from codatrain.train.kernel_cache import KernelCache, process_age_s
+from codatrain.train.plan import build_run_plan
 
 REPO = Path(__file__).resolve().parent.parent
 CODA_KERNELS = ["block=coda", "block.backend=cute", "block.attention=fa4"]
@@ -51,9 +51,7 @@ def run_config(overrides: list[str]):
 def shapes_of(overrides: list[str], device: torch.device | None = None) -> KernelShapes:
     """The kernels of a run config on `device` (None: the precompile target), as the training job
     and scripts/precompile.py plan them."""
-    run = run_config(overrides)
-    block = resolve_block(run.block.impl, run.block.backend, run.block.attention, device)
-    return kernel_shapes(run, block)
+    return build_run_plan(run_config(overrides), device).kernel_shapes
 
 
 def tiny_shapes() -> KernelShapes:

@@ -114,11 +114,11 @@ def test_unparsable_files_are_found_without_checksums(tmp_path, name):
 
 
 MANIFEST_FAULTS = {
-    "a list": (lambda m: [m], "checkpoint.json is not a codatrain-checkpoint version 2 manifest"),
+    "a list": (lambda m: [m], "checkpoint.json is not a codatrain-checkpoint version 1 or 2 manifest"),
     "another format": (lambda m: m | {"format": "other"},
-                       "checkpoint.json is not a codatrain-checkpoint version 2 manifest"),
+                       "checkpoint.json is not a codatrain-checkpoint version 1 or 2 manifest"),
     "a future version": (lambda m: m | {"version": 3},
-                         "checkpoint.json is not a codatrain-checkpoint version 2 manifest"),
+                         "checkpoint.json is not a codatrain-checkpoint version 1 or 2 manifest"),
     "no schedule or files": (lambda m: {k: v for k, v in m.items() if k not in ("scheduler", "files")},
                              "checkpoint.json lacks scheduler, files"),
     "no rank file": (lambda m: m | {"files": _files_ending(m, ".safetensors")},

@@ -199,7 +199,7 @@ def test_validation_by_fraction_or_path_and_gzip(tmp_path):
     path = write_jsonl(tmp_path / "ex.jsonl", records)
     train, val = build(sft_config(tmp_path, path, val_fraction=0.25))
     assert train.dataset.report.examples + val.dataset.report.examples == 40
-    assert 6 <= val.dataset.report.examples <= 14
+    assert 0 < val.dataset.report.examples < 20  # held out by content (test_held_out_split.py)
     packed = tmp_path / "val.jsonl.gz"
     with gzip.open(packed, "wt") as f:
         f.write("".join(json.dumps(r) + "\n" for r in records[:5]))

@@ -374,8 +374,15 @@ def test_auto_is_resolved_once_per_device():
     assert auto == ResolvedBlock("coda", "cute", "sdpa")
     assert resolve_block("coda", "auto", "auto", None, head_dim=128) == ResolvedBlock("coda", "cute", "fa4")
     assert resolve_block("coda", "auto", "fa4", None, head_dim=80).fa4
-    # Explicit names pass through; the eager block runs no CODA kernels.
-    assert resolve_block("coda", "cute", "sdpa", cpu) == ResolvedBlock("coda", "cute", "sdpa")
+    # Resolved for a device, the block holds its kernels; without one, only their names.
+    portable = resolve_block("coda", "reference", "sdpa", cpu)
+    assert isinstance(portable.stages, ReferenceStages) and portable.attention_fn is sdpa_attention
+    assert resolve_block("coda", "auto", "auto", None).stages is None
+    # Explicit names that cannot run on the device are refused here; the eager block runs no CODA kernels.
+    with pytest.raises(BackendUnavailableError, match="'cute' cannot run on cpu"):
+        resolve_block("coda", "cute", "sdpa", cpu)
+    with pytest.raises(BackendUnavailableError, match="'fa4' needs an sm_90 GPU, not cpu"):
+        resolve_block("coda", "reference", "fa4", cpu)
     eager = resolve_block("eager", "auto", "auto", None)
     assert eager == ResolvedBlock("eager", None, None) and not (eager.cute_stages or eager.fa4)
 

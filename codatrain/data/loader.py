@@ -20,14 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
-import numpy as np
 import torch
 
-from codatrain.config import DataConfig, DataFormat, DataSource, OnBadData
+from codatrain.data.config import DataConfig, DataFormat, DataSource, OnBadData
 from codatrain.data.order import ORDER_VERSION, WindowOrder
 from codatrain.data.packing import Batch, PackedWindows, SyntheticWindows, collate
 from codatrain.data.sft import SFTWindows, build_sft_datasets
-from codatrain.data.sources import Source, embedded_source, files_source, hub_source
+from codatrain.data.sources import SPLIT_VERSION, Source, embedded_source, files_source, hub_source
 from codatrain.data.streaming import BoundedValidation, StreamLoader, StreamWindows
 from codatrain.data.token_cache import tokenize_source
 from codatrain.data.token_shards import TokenShards, open_token_dir
@@ -58,8 +57,11 @@ class PackedLoader:
     def __init__(self, dataset: PackedWindows | SyntheticWindows | SFTWindows, *, name: str,
                  vocab_size: int, batch_size: int, rank: int, world_size: int, seed: int,
                  device: torch.device, shuffle: bool, repeat: bool, num_workers: int,
-                 report: str | None = None) -> None:
+                 report: str | None = None, checks_split: bool = False) -> None:
         self.dataset, self.name, self.vocab_size = dataset, name, vocab_size
+        # Its documents are what data.val_fraction left of the token cache or SFT records, which held
+        # out by document index before SPLIT_VERSION 2: a state must be of the same split.
+        self.checks_split = checks_split
         self.report = report  # a line for the run's log about how the data was made, if any
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
         self.seed, self.device, self.shuffle, self.repeat = seed, device, shuffle, repeat
@@ -117,10 +119,18 @@ class PackedLoader:
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.position.epoch, "offset": self.position.offset, "seed": self.seed,
-                "num_windows": len(self.dataset), "seq_len": self.dataset.seq_len, "order": ORDER_VERSION}
+                "num_windows": len(self.dataset), "seq_len": self.dataset.seq_len, "order": ORDER_VERSION,
+                "split": SPLIT_VERSION}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue from a `state_dict()`; iterators created before this call stop with an error."""
+        split = int(state.get("split", 1))  # states without the key predate the split by content
+        if self.checks_split and split != SPLIT_VERSION:
+            raise ValueError(f"the {self.name} data state was saved when data.val_fraction held out "
+                             f"documents by their index (split version {split}); they are now held out by "
+                             f"content (version {SPLIT_VERSION}), so the {self.name} documents changed and "
+                             "it cannot continue exactly; start a new run with checkpoint.init_from=<the "
+                             "checkpoint> to keep its weights")
         checks = [("num_windows", len(self.dataset)), ("seq_len", self.dataset.seq_len), ("seed", self.seed)]
         if self.shuffle:  # the unshuffled order is the same in every version
             state = {"order": 1, **state}  # states without the key predate order.py
@@ -159,16 +169,12 @@ def build_loaders(
     """
     if cfg.seq_len > max_seq_len:
         raise ValueError(f"data.seq_len={cfg.seq_len} exceeds model.max_seq_len={max_seq_len}")
-    if cfg.seq_len <= 0 or batch_size <= 0:
-        raise ValueError(f"data.seq_len={cfg.seq_len} and batch_size={batch_size} must be positive")
+    if batch_size <= 0:
+        raise ValueError(f"batch_size={batch_size} must be positive")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in a world of size {world_size}")
     if seed < 0:
         raise ValueError(f"the data seed must be non-negative, got {seed}")
-    if not 0 <= cfg.val_fraction < 1:
-        raise ValueError(f"data.val_fraction={cfg.val_fraction} is not in [0, 1)")
-    if cfg.num_workers < 0:
-        raise ValueError(f"data.num_workers={cfg.num_workers} must be >= 0")
     device = torch.device(device)
 
     if cfg.source == "synthetic":
@@ -183,20 +189,23 @@ def build_loaders(
     common = dict(vocab_size=vocab_size, batch_size=batch_size, rank=rank, world_size=world_size,
                   seed=seed, device=device)
     reports: list[str | None] = [None, None]
+    checks_split = False
     if cfg.format == DataFormat.sft:
         train_set, val_set, reports = build_sft_datasets(cfg, tokenizer)
+        checks_split = cfg.held_out_fraction > 0
     elif cfg.streaming:
-        return _stream_loaders(cfg, tokenizer, common)
+        return _stream_loaders(cfg, common)
     elif cfg.source == DataSource.tokens:
         train_set, val_set, reports[0] = _token_dir_datasets(cfg, tokenizer)
     elif cfg.source != DataSource.synthetic:
         streams = prepare_streams(cfg, tokenizer)
+        checks_split = cfg.held_out_fraction > 0
         train_set = PackedWindows(streams.train, cfg.seq_len, cfg.keep_document_boundaries)
         val_set = None if streams.val is None else PackedWindows(streams.val, cfg.seq_len,
                                                                  cfg.keep_document_boundaries)
 
     train = PackedLoader(train_set, name="training", shuffle=cfg.shuffle, repeat=True,
-                         num_workers=cfg.num_workers, report=reports[0], **common)
+                         num_workers=cfg.num_workers, report=reports[0], checks_split=checks_split, **common)
     # Validation reads a few batches every val_every steps: starting worker processes for each
     # evaluation would cost more than reading them in the main process.
     val = None if val_set is None else PackedLoader(val_set, name="validation", shuffle=False, repeat=False,
@@ -228,11 +237,11 @@ def _token_dir_datasets(cfg: DataConfig,
     return train, val_set, report
 
 
-def _stream_loaders(cfg: DataConfig, tokenizer: Tokenizer,
-                    common: dict) -> tuple[StreamLoader, BoundedValidation | None]:
-    """The training stream of this rank and its bounded validation set (streaming.py)."""
+def _stream_loaders(cfg: DataConfig, common: dict) -> tuple[StreamLoader, BoundedValidation | None]:
+    """The training stream of this rank and its bounded validation set (streaming.py; its readers
+    load `cfg.tokenizer` themselves)."""
     main, val_source = data_sources(cfg)
-    held_out = cfg.val_fraction if val_source is None else 0.0
+    held_out = cfg.held_out_fraction
     skip_bad = cfg.on_bad_data == OnBadData.skip
     readers = max(1, cfg.num_workers)
     rank, world_size = common["rank"], common["world_size"]
@@ -272,8 +281,7 @@ def prepare_streams(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> Stre
     tokenizer = tokenizer or load_tokenizer(cfg.tokenizer)
     main, val_source = data_sources(cfg)
     cache_root = Path(cfg.cache_dir or datasets.config.HF_DATASETS_CACHE) / "codatrain-tokens"
-    held_out = cfg.val_fraction if val_source is None else 0.0
-    streams = tokenize_source(main, tokenizer, cache_root, held_out)
+    streams = tokenize_source(main, tokenizer, cache_root, cfg.held_out_fraction)
     if val_source is not None:
         val = tokenize_source(val_source, tokenizer, cache_root, 0.0)["train"]
     else:
@@ -304,13 +312,3 @@ def data_sources(cfg: DataConfig) -> tuple[Source, Source | None]:
     else:
         val = None
     return main, val
-
-
-def unigram_entropy(cfg: DataConfig) -> float:
-    """Entropy in nats per token of the training stream's token frequencies (BOS/EOS included): the
-    loss of the best model that ignores context, so a model that learns anything goes below it."""
-    streams = prepare_streams(cfg)
-    vocab_size = streams.tokenizer.vocab_size
-    counts = sum(np.bincount(tokens, minlength=vocab_size) for tokens, _ in streams.train.arrays())
-    p = counts[counts > 0] / streams.train.num_tokens
-    return float(-(p * np.log(p)).sum())

@@ -18,7 +18,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from codatrain.config import DataConfig, OnBadData
+from codatrain.data.config import DataConfig, OnBadData
 from codatrain.data.loader import data_sources
 from codatrain.data.token_shards import shard_name, tokenize_shard
 from codatrain.data.tokenizer import load_tokenizer

@@ -41,10 +41,9 @@ import datasets
 import numpy as np
 import torch
 
-from codatrain.config import DataConfig, DataSource, SFTOverlong, SFTTemplate
+from codatrain.data.config import DataConfig, DataSource, SFTOverlong, SFTTemplate
 from codatrain.data.packing import Window
-from codatrain.data.sources import resolve_files
-from codatrain.data.token_cache import is_held_out
+from codatrain.data.sources import held_out_by_content, resolve_files
 from codatrain.data.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant")
@@ -305,38 +304,42 @@ def build_sft_datasets(cfg: DataConfig, tokenizer: Tokenizer) -> tuple[SFTWindow
     sft data config; the reports are lines for the run's log."""
     encode, template = make_encoder(cfg, tokenizer)
 
-    def encode_all(records: Iterator[tuple[str, Any]], limit: int | None) -> list[Example]:
-        examples = []
+    def encode_all(records: Iterator[tuple[str, Any]], limit: int | None,
+                   held_out_fraction: float = 0.0) -> tuple[list[Example], list[Example]]:
+        """(kept, held out) examples of the first `limit` records; a conversation is held out by
+        its canonical text, so a `prompt`/`response` record and the same `messages` agree."""
+        kept: list[Example] = []
+        held: list[Example] = []
         for index, (where, record) in enumerate(records):
             if limit is not None and index >= limit:
                 break
-            examples.append(encode(to_messages(record, where), where))
-        return examples
+            messages = to_messages(record, where)
+            text = json.dumps(messages, ensure_ascii=False, sort_keys=True)
+            out = held_out_fraction > 0 and held_out_by_content(text, held_out_fraction)
+            (held if out else kept).append(encode(messages, where))
+        return kept, held
 
+    held_out = cfg.held_out_fraction
     if cfg.source == DataSource.files:
         if not cfg.path:
             raise ValueError("data.format=sft with data.source=files needs data.path (a JSON-lines file, "
                              "folder or glob)")
-        main = encode_all(read_local_records(cfg.path), cfg.max_documents)
+        main, val = encode_all(read_local_records(cfg.path), cfg.max_documents, held_out)
     else:
         if not cfg.path:
             raise ValueError("data.format=sft with data.source=hub needs data.path (the dataset name)")
-        main = encode_all(read_hub_records(cfg.path, cfg.name, cfg.split, cfg.streaming, cfg.cache_dir),
-                          cfg.max_documents)
+        main, val = encode_all(read_hub_records(cfg.path, cfg.name, cfg.split, cfg.streaming, cfg.cache_dir),
+                               cfg.max_documents, held_out)
     if cfg.val_path:
-        val = encode_all(read_local_records(cfg.val_path), None)
+        val = encode_all(read_local_records(cfg.val_path), None)[0]
     elif cfg.source == DataSource.hub and cfg.val_split:
         val = encode_all(read_hub_records(cfg.path, cfg.name, cfg.val_split, cfg.streaming,
-                                          cfg.cache_dir), None)
-    elif cfg.val_fraction > 0:
-        held_out = [is_held_out(i, cfg.val_fraction) for i in range(len(main))]
-        val = [e for e, out in zip(main, held_out, strict=True) if out]
-        main = [e for e, out in zip(main, held_out, strict=True) if not out]
-        if not val:
-            raise ValueError(f"data.val_fraction={cfg.val_fraction} holds out none of the {len(main)} "
-                             "examples; raise it or give data.val_path")
-    else:
+                                          cfg.cache_dir), None)[0]
+    elif held_out == 0:
         val = None
+    elif not val:
+        raise ValueError(f"data.val_fraction={cfg.val_fraction} holds out none of the {len(main)} "
+                         "examples; raise it or give data.val_path")
 
     def pack(examples: list[Example]) -> SFTWindows:
         return SFTWindows(examples, cfg.seq_len, cfg.keep_document_boundaries, cfg.sft_overlong,

@@ -172,10 +172,17 @@ def hub_source(name: str, config_name: str | None, split: str, streaming: bool, 
     return Source("hub", f"{name}[{split}]", text_column, identity, load_args, max_documents)
 
 
+# The rule by which data.val_fraction holds documents out, recorded in loader states. 1: the stored
+# cache and SFT held out by document index; 2: every path holds out by content (`held_out_by_content`).
+SPLIT_VERSION = 2
+
+
 def held_out_by_content(text: str, fraction: float) -> bool:
-    """Whether a document belongs to the held-out split of a stream or a token directory: decided by
-    a hash of its text, so it needs neither the document's position (unknown to one rank's part of
-    a stream) nor the number of ranks, and copies of a document all fall on the same side."""
+    """Whether a document belongs to the held-out split (data.val_fraction), on every path: the
+    token cache, token directories, streaming and SFT (which passes its conversation's canonical
+    text). Decided by a hash of the text, so it needs neither the document's position (unknown to one
+    rank's part of a stream) nor the number of ranks, and copies of a document all fall on the same
+    side: the same corpus and fraction give the same validation documents whichever way it is read."""
     digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
     return int.from_bytes(digest, "little") / 2**64 < fraction
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import shutil
 from pathlib import Path
@@ -19,22 +18,13 @@ from pathlib import Path
 from filelock import FileLock
 from tqdm.auto import tqdm
 
-from codatrain.data.sources import Source
+from codatrain.data.sources import Source, held_out_by_content
 from codatrain.data.token_shards import ShardWriter, TokenShards, frame_document, open_token_dir, token_dtype
 from codatrain.data.tokenizer import Tokenizer
 
-FORMAT_VERSION = 2
-_GOLDEN = (math.sqrt(5) - 1) / 2
-
-
-def is_held_out(index: int, fraction: float) -> bool:
-    """Whether document `index` of a source belongs to the held-out split.
-
-    The golden-ratio sequence frac(k·φ) spreads the held-out documents evenly over the source's order
-    and holds out very nearly `fraction` of any prefix, so the split needs neither the source's length
-    nor a random generator, and appending documents leaves earlier assignments unchanged.
-    """
-    return ((index + 1) * _GOLDEN) % 1.0 < fraction
+# 3: documents held out by content (`held_out_by_content`); version 2 entries held out by index and
+# are not read (their key differs, so they are rebuilt).
+FORMAT_VERSION = 3
 
 
 def tokenize_source(source: Source, tokenizer: Tokenizer, cache_root: Path,
@@ -69,10 +59,10 @@ def _write_entry(source: Source, tokenizer: Tokenizer, directory: Path, spec: di
     index = 0
     with tqdm(total=total, unit="doc", desc=f"tokenizing {source.location}") as bar:
         for texts in batches:
-            present = [(index + i, t) for i, t in enumerate(texts) if t]  # skip empty and null texts
-            encoded = tokenizer.encode_batch([t for _, t in present])
-            for (doc_index, _), ids in zip(present, encoded, strict=True):
-                held_out = held_out_fraction > 0 and is_held_out(doc_index, held_out_fraction)
+            present = [t for t in texts if t]  # skip empty and null texts
+            encoded = tokenizer.encode_batch(present)
+            for text, ids in zip(present, encoded, strict=True):
+                held_out = held_out_fraction > 0 and held_out_by_content(text, held_out_fraction)
                 writer.add("val" if held_out else "train", frame_document(tokenizer, ids, dtype))
             index += len(texts)
             bar.update(len(texts))

@@ -1,2 +1,2 @@
-"""The CODA stage API (`codatrain.kernels.stages`) and its backends: `reference` (pure PyTorch)
-and `cute` (CuTeDSL/QuACK kernels for sm_90 GPUs, in `codatrain.kernels.cute`)."""
+"""The CODA stage API and its backends, attention, and the kernel cache (docs/design.md §7 has the
+module map)."""

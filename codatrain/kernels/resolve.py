@@ -1,20 +1,22 @@
-"""Which kernels run a block: the one place where ``auto`` is decided.
+"""Which kernels run a block: the one place where ``auto`` is decided and where the CODA kernels
+are checked against the device.
 
 A run names its block as three strings (impl eager | coda | liger, the coda stage backend, the coda
 attention); ``auto`` means the CuTeDSL kernels on an sm_90 GPU where they load, else the
-PyTorch ones. `resolve_block` turns the three into names that the model, the kernel cache and
-the precompile script then all read, so they cannot disagree.
+PyTorch ones. `resolve_block` turns the three into names that the kernel cache and the precompile
+script read and, for a device, into the stage backend object and attention function that the CODA
+model takes, so none of them can disagree and the device is checked once.
 """
 
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from codatrain.kernels.attention import get_attention
-from codatrain.kernels.stages import BackendUnavailableError, get_backend, is_sm90
+from codatrain.kernels.attention import AttentionFn, get_attention
+from codatrain.kernels.stages import BackendUnavailableError, StageBackend, get_backend, is_sm90
 
 # The cute stages move every activation and weight row as 16-byte units of a 16-bit dtype (TMA
 # strides are multiples of 16 bytes, cp.async vectors 4 to 16 bytes), so their widths are
@@ -33,6 +35,10 @@ class ResolvedBlock:
     impl: str  # eager | coda | liger
     backend: str | None  # coda stage backend: reference | cute (None otherwise)
     attention: str | None  # coda attention: sdpa | fa4 (None otherwise)
+    # The coda kernels themselves, loaded and checked against the device once, by `resolve_block`
+    # (None when resolved without a device, for precompilation, and for eager and liger).
+    stages: StageBackend | None = field(default=None, compare=False, repr=False)
+    attention_fn: AttentionFn | None = field(default=None, compare=False, repr=False)
 
     @property
     def cute_stages(self) -> bool:
@@ -41,7 +47,8 @@ class ResolvedBlock:
 
     @property
     def fa4(self) -> bool:
-        """Whether attention runs as FlashAttention 4 (CuTeDSL kernels too)."""
+        """Whether attention runs as FlashAttention 4 (CuTeDSL kernels too), which takes documents
+        as varlen offsets rather than flex_attention's block mask."""
         return self.attention == "fa4"
 
     def unsupported_widths(self, dim: int, ffn_dim: int, head_dim: int) -> str | None:
@@ -62,40 +69,54 @@ class ResolvedBlock:
                     "block.attention=sdpa takes any")
         return None
 
+    def describe(self) -> str:
+        """The block as the run header shows it, with what ``auto`` chose."""
+        if self.impl != "coda":
+            return self.impl
+        return f"coda (stages {self.backend}, attention {self.attention})"
 
-def resolve_block(impl: str, backend: str, attention: str, device: torch.device | None,
+
+def resolve_block(impl: str, backend: str, attention: str, device: torch.device | str | None,
                   head_dim: int | None = None) -> ResolvedBlock:
     """The block a run of `impl`/`backend`/`attention` runs on `device`, with ``auto`` decided.
 
     On an sm_90 GPU ``auto`` loads the cute backend and FA4 (importing them) and takes each that
     loads, warning when the stages fall back; elsewhere it takes reference / sdpa. Attention
     ``auto`` also takes sdpa for a `head_dim` (when given) that FA4 does not run correctly
-    (FA4_HEAD_DIMS). `device` None stands for the precompile target, an sm_90 GPU with the cuda
-    extras installed: ``auto`` then means the CuTeDSL kernels, and nothing is imported. Explicit
-    names are returned as they are (`build_model` checks that they run on the device).
+    (FA4_HEAD_DIMS). An explicit name that cannot run on `device` is a BackendUnavailableError.
+    `device` None stands for the precompile target, an sm_90 GPU with the cuda extras installed:
+    ``auto`` then means the CuTeDSL kernels, nothing is imported and no kernel object is returned.
     """
     if impl != "coda":
         return ResolvedBlock(impl, None, None)
-    hopper = device is None or is_sm90(torch.device(device))
+    if attention == "auto" and head_dim is not None and head_dim not in FA4_HEAD_DIMS:
+        warnings.warn(f"block.attention=auto takes sdpa: FlashAttention 4 is not correct at head dim "
+                      f"{head_dim} (only at {', '.join(map(str, FA4_HEAD_DIMS))})", stacklevel=2)
+        attention = "sdpa"
+    if device is None:
+        return ResolvedBlock(impl, "cute" if backend == "auto" else backend,
+                             "fa4" if attention == "auto" else attention)
+    device = torch.device(device)
+    hopper = is_sm90(device)
+    stages = attention_fn = None
     if backend == "auto":
         backend = "reference"
         if hopper:
             try:
-                if device is not None:
-                    get_backend("cute", device)
-                backend = "cute"
+                stages, backend = get_backend("cute", device), "cute"
             except BackendUnavailableError as exc:
                 warnings.warn(f"block.backend=auto falls back to the reference stages: {exc}", stacklevel=2)
     if attention == "auto":
         attention = "sdpa"
-        if head_dim is not None and head_dim not in FA4_HEAD_DIMS:
-            warnings.warn(f"block.attention=auto takes sdpa: FlashAttention 4 is not correct at head dim "
-                          f"{head_dim} (only at {', '.join(map(str, FA4_HEAD_DIMS))})", stacklevel=2)
-        elif hopper:
+        if hopper:
             try:
-                if device is not None:
-                    get_attention("fa4", device)
-                attention = "fa4"
+                attention_fn, attention = get_attention("fa4", device), "fa4"
             except BackendUnavailableError:
                 pass
-    return ResolvedBlock(impl, backend, attention)
+    return ResolvedBlock(impl, backend, attention, stages or get_backend(backend, device),
+                         attention_fn or get_attention(attention, device))
+
+
+def portable_block() -> ResolvedBlock:
+    """The CODA block of the reference stages and PyTorch's attention, which run on any device."""
+    return ResolvedBlock("coda", "reference", "sdpa", get_backend("reference"), get_attention("sdpa"))

@@ -61,8 +61,7 @@ IGNORE_INDEX = -100
 # at V = 128256), a fraction of the M×V logits (and their fp32 copies) an eager head keeps. Bigger
 # chunks make the chunk's three GEMMs longer: the weight-gradient GEMM contracts over the chunk's
 # rows and adds its V×d result into the fp32 dW once per chunk, which at a few hundred rows costs
-# more than its arithmetic (docs/benchmarks.md: at 8B widths QuACK's base pipeline is 1.9% slower in
-# 2048-row chunks than in 4096).
+# more than its arithmetic (docs/benchmarks.md measures the chunk sizes).
 HEAD_CHUNK_ELEMENTS = 1 << 29
 # Chunks are whole multiples of a 2-CTA cluster of 128-row tiles (so no tile is partly empty)
 # and their per-row statistics start on 16-byte boundaries.

@@ -1,38 +1,33 @@
-"""Model definitions: configs and presets, the eager Llama, the CODA Llama."""
+"""Model definitions (docs/design.md §7 has the module map); `build_model` makes a block's model."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from codatrain.model.config import PRESETS, LlamaConfig, get_preset
+from codatrain.kernels.resolve import ResolvedBlock
+from codatrain.model.config import LlamaConfig, get_preset
 from codatrain.model.llama import Llama
 
-__all__ = ["PRESETS", "LlamaConfig", "Llama", "build_model", "get_preset"]
+__all__ = ["LlamaConfig", "Llama", "build_model", "get_preset"]
 
 
-def build_model(
-    cfg: LlamaConfig,
-    impl: str,
-    backend: str | None = "reference",
-    attention: str | None = "sdpa",
-    device: torch.device | None = None,
-) -> nn.Module:
-    """The model for block `impl` (eager | coda | liger); all of them share the canonical state.
+def build_model(cfg: LlamaConfig, block: ResolvedBlock, device: torch.device | None = None) -> nn.Module:
+    """The model for `block` (eager | coda | liger, as `codatrain.kernels.resolve.resolve_block`
+    resolved it); all of them share the canonical state.
 
-    backend (reference | cute) and attention (sdpa | fa4) choose the CODA kernels, as
-    `codatrain.kernels.resolve.resolve_block` resolved them (no ``auto`` here); eager and liger
-    ignore them. With `device`, kernels that cannot run there (backend cute off Hopper, liger off
-    CUDA or without liger-kernel, say) are an error now rather than at the first forward.
+    CODA takes the block's stage backend and attention function, which `resolve_block` loaded and
+    checked against the device. With `device`, liger is checked to run there (CUDA and
+    liger-kernel) now rather than at the first forward.
     """
-    if impl == "eager":
+    if block.impl == "eager":
         return Llama(cfg)
-    if impl == "coda":
+    if block.impl == "coda":
         from codatrain.model.coda import CodaLlama
 
-        return CodaLlama(cfg, backend=backend, attention=attention, device=device)
-    if impl == "liger":
+        return CodaLlama(cfg, block)
+    if block.impl == "liger":
         from codatrain.model.liger import LigerLlama
 
         return LigerLlama(cfg, device=device)
-    raise ValueError(f"block.impl={impl!r} is not one of eager, coda, liger")
+    raise ValueError(f"block.impl={block.impl!r} is not one of eager, coda, liger")

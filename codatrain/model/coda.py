@@ -30,15 +30,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from codatrain.kernels.attention import (
-    AttentionFn,
-    Documents,
-    causal_attention,
-    documents_from_ids,
-    get_attention,
-)
-from codatrain.kernels.resolve import ResolvedBlock
-from codatrain.kernels.stages import IGNORE_INDEX, Rope, StageBackend, get_backend
+from codatrain.kernels.attention import AttentionFn, Documents, causal_attention, documents_from_ids
+from codatrain.kernels.resolve import ResolvedBlock, portable_block
+from codatrain.kernels.stages import IGNORE_INDEX, Rope, StageBackend
 from codatrain.model.config import LlamaConfig
 from codatrain.model.init import init_canonical_weights
 from codatrain.model.layout import Canonical, Layout
@@ -402,21 +396,20 @@ class CodaLlama(nn.Module):
     their sum, as `codatrain.model.llama.lm_loss`). With `doc_ids` (B, T) attention stays within
     each document and RoPE positions restart at every document start (as in `Llama`).
 
-    backend: stage backend (reference | cute); attention: sdpa | fa4, both looked up once, here.
-    device: where the model will run, to check that the kernels run there (None: not checked).
+    block: the stage backend and attention function, as `resolve_block` loaded them for the device
+    (default: the reference stages and PyTorch's attention, which run anywhere).
     head_chunk_rows: rows per chunk of the LM head (`lm_head_ce`; default: the backend's
     `head_chunk_rows(V)`).
     """
 
-    def __init__(
-        self, cfg: LlamaConfig, backend: str = "reference", attention: str = "sdpa",
-        head_chunk_rows: int | None = None, device: torch.device | None = None,
-    ) -> None:
+    def __init__(self, cfg: LlamaConfig, block: ResolvedBlock | None = None,
+                 head_chunk_rows: int | None = None) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.stages = get_backend(backend, device)
-        self.attention_name, self.attention_fn = attention, get_attention(attention, device)
-        block = ResolvedBlock("coda", backend, attention)
+        block = block or portable_block()
+        if block.stages is None or block.attention_fn is None:
+            raise ValueError(f"{block} was resolved without a device: it names the kernels but holds none")
+        self.cfg, self.block = cfg, block
+        self.stages, self.attention_fn = block.stages, block.attention_fn
         problem = block.unsupported_widths(cfg.dim, cfg.ffn_dim, cfg.head_dim)
         if problem:
             raise ValueError(problem)
@@ -446,7 +439,7 @@ class CodaLlama(nn.Module):
         documents = None
         if doc_ids is not None:
             # Only PyTorch's attention reads flex_attention's block mask; FA4 takes cu_seqlens.
-            block_mask = None if self.attention_name == "sdpa" else False
+            block_mask = False if self.block.fa4 else None
             documents = documents_from_ids(doc_ids, block_mask=block_mask)
         step = ForwardStep.of(self.stages, self.attention_fn, batch, seq, tokens.device, documents)
         x, qkv = self.entry(tokens.reshape(-1), step, self.tied_embedding)

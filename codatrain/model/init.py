@@ -2,7 +2,7 @@
 implementation and of sharding: each canonical tensor is drawn from its own seeded generator.
 
 `init_canonical_weights` fills a plain model; the trainer fills a wrapped or FSDP2-sharded one
-with `codatrain.train.parallelize.init_weights`, from the same `native_init_tensor`s."""
+with `codatrain.train.canonical_state.init_weights`, from the same `canonical_init_tensor`s."""
 
 from __future__ import annotations
 
@@ -10,10 +10,9 @@ import math
 import zlib
 
 import torch
-from torch import nn
 
 from codatrain.model.config import LlamaConfig
-from codatrain.model.layout import Canonical
+from codatrain.model.layout import Canonical, CanonicalModel
 
 
 def canonical_init_std(name: str, cfg: LlamaConfig) -> float | None:
@@ -40,8 +39,8 @@ def native_init_tensor(canonical: Canonical, shape: torch.Size, cfg: LlamaConfig
 
 
 @torch.no_grad()
-def init_canonical_weights(model: nn.Module, seed: int) -> None:
+def init_canonical_weights(model: CanonicalModel, seed: int) -> None:
     """Fill every parameter of `model` (unwrapped, unsharded; it has `cfg` and `layout()`)."""
-    layout = model.layout()  # type: ignore[operator]
+    layout = model.layout()
     for name, param in model.named_parameters():
-        param.copy_(native_init_tensor(layout[name], param.shape, model.cfg, seed))  # type: ignore[arg-type]
+        param.copy_(native_init_tensor(layout[name], param.shape, model.cfg, seed))

@@ -13,9 +13,11 @@ state of the parameter's shape.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Iterator
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
+from torch import nn
 
 from codatrain.model.config import LlamaConfig
 
@@ -41,6 +43,23 @@ class Canonical(NamedTuple):
 
 
 Layout = dict[str, Canonical]
+
+
+@runtime_checkable
+class CanonicalModel(Protocol):
+    """What the train layer asks of a model (`Llama`, `CodaLlama`, `LigerLlama`) beyond being an
+    nn.Module: its config, the modules FSDP2 shards one at a time, its layout table and its init."""
+
+    cfg: LlamaConfig
+
+    def blocks(self) -> list[nn.Module]: ...
+
+    def layout(self) -> Layout: ...
+
+    def init_weights(self, seed: int) -> None: ...
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]: ...
 
 
 def permute_rows(tensor: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:

@@ -1,1 +1,1 @@
-"""Training: distributed setup, FSDP2, optimizer and schedule, metrics, checkpointing, logging."""
+"""Training: the run plan, the loop and the services it uses (docs/design.md §7 has the module map)."""

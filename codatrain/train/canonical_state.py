@@ -1,13 +1,14 @@
 """A model's and its optimizer's state under canonical names and layouts (docs/design.md §3).
 
-`CanonicalMapping` applies the model's layout table (`model.layout()`) to its possibly wrapped and
-FSDP2-sharded parameters, and to optimizer state of the same shapes; checkpoints (checkpoint.py)
-and HF export (hf_io.py) read and write tensors through it.
+`CanonicalMapping` is the one application of the model's layout table (`model.layout()`) to its
+possibly wrapped and FSDP2-sharded parameters, and to optimizer state of the same shapes:
+checkpoints (checkpoint.py) and HF export (hf_io.py) read tensors through it, and weight init
+(`init_weights`) and HF import (hf_io.py) write them through `CanonicalMapping.assign`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -15,8 +16,28 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from codatrain.model.layout import permute_rows
-from codatrain.train.parallelize import strip_wrapper_prefixes
+from codatrain.model.init import canonical_init_tensor
+from codatrain.model.layout import CanonicalModel, permute_rows
+
+# Wrappers that activation checkpointing and torch.compile put into parameter names.
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def strip_wrapper_prefixes(fqn: str) -> str:
+    """The model's own name of a wrapped parameter (the name its `layout()` uses)."""
+    for prefix in WRAPPER_PREFIXES:
+        fqn = fqn.replace(prefix, "")
+    return fqn
+
+
+def set_full_tensor(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a full (unsharded) tensor into a parameter that may be an FSDP2-sharded DTensor."""
+    if isinstance(param, DTensor):
+        # Every rank holds the same full tensor, so each takes its shard locally (no scatter).
+        full = distribute_tensor(
+            full.to(param.device, param.dtype), param.device_mesh, param.placements, src_data_rank=None
+        )
+    param.copy_(full)
 
 
 def _permute_rows(tensor: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
@@ -34,8 +55,8 @@ class CanonicalMapping:
     Names are used without wrapper prefixes, as DCP's state-dict helpers report them.
     """
 
-    def __init__(self, model: nn.Module) -> None:
-        layout = model.layout()  # type: ignore[operator]
+    def __init__(self, model: CanonicalModel) -> None:
+        layout = model.layout()
         self.canonical = {native: entry.name for native, entry in layout.items()}
         self._to = {native: entry.inverse_order() for native, entry in layout.items()}
         self._from = {native: entry.row_order for native, entry in layout.items()}
@@ -51,6 +72,22 @@ class CanonicalMapping:
     def from_canonical(self, native: str, tensor: torch.Tensor) -> torch.Tensor:
         return _permute_rows(tensor, self._from[native])
 
+    @torch.no_grad()
+    def assign(self, model: nn.Module, canonical_tensor: Callable[[str, torch.Size], torch.Tensor]) -> None:
+        """Set every parameter of `model` (this mapping's model, possibly wrapped and sharded) from
+        its full canonical tensor, `canonical_tensor(canonical name, global shape)`."""
+        for name, param in model.named_parameters():
+            native = strip_wrapper_prefixes(name)
+            full = canonical_tensor(self.canonical[native], self.shapes[native])
+            set_full_tensor(param, permute_rows(full, self._from[native]))
+
+
+def init_weights(model: CanonicalModel, seed: int) -> None:
+    """`model.init_weights(seed)` for a model that may be wrapped and sharded: the same weights,
+    each drawn as its canonical tensor."""
+    CanonicalMapping(model).assign(
+        model, lambda name, shape: canonical_init_tensor(name, shape, model.cfg, seed))
+
 
 # (checkpoint key, dict holding the tensor, its key there, native parameter, whether the tensor has
 # the parameter's shape and so its layout)
@@ -58,7 +95,7 @@ Entry = tuple[str, dict[str, Any], str, str, bool]
 
 
 def state_entries(model_state: dict[str, Any], optim_state: dict[str, Any],
-             mapping: CanonicalMapping) -> list[Entry]:
+                  mapping: CanonicalMapping) -> list[Entry]:
     """Every tensor of a model and optimizer state dict (from DCP's helpers) and its checkpoint key."""
     entries = [
         (f"model.{mapping.canonical[native]}", model_state, native, native, True)

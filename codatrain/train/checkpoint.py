@@ -215,7 +215,8 @@ def inspect_checkpoint(path: str | os.PathLike, verify: bool = True,
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or (
         manifest.get("version") not in READABLE_VERSIONS
     ):
-        raise CheckpointError(f"{path}: {MANIFEST} is not a {FORMAT} version {FORMAT_VERSION} manifest")
+        readable = " or ".join(map(str, READABLE_VERSIONS))
+        raise CheckpointError(f"{path}: {MANIFEST} is not a {FORMAT} version {readable} manifest")
     missing = [key for key in _MANIFEST_KEYS if key not in manifest]
     if missing:
         raise CheckpointError(f"{path}: {MANIFEST} lacks {', '.join(missing)}")
@@ -309,8 +310,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
-
-
 
 
 # ---- a whole training state ----------------------------------------------------------------------

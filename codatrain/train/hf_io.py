@@ -17,6 +17,8 @@ from codatrain.config import FOLDER_PRESET, RunConfig, model_config
 from codatrain.data.tokenizer import folder_tokenizer, load_tokenizer, save_hf_tokenizer
 from codatrain.model.config import LlamaConfig
 from codatrain.model.hf import DEFAULT_MAX_SHARD_BYTES, Delimiters, HFCheckpoint, config_from_hf, save_hf
+from codatrain.model.layout import CanonicalModel
+from codatrain.train.canonical_state import CanonicalMapping
 from codatrain.train.checkpoint import (
     CHECKPOINTS_DIR,
     MANIFEST,
@@ -25,7 +27,6 @@ from codatrain.train.checkpoint import (
     load_model_weights,
 )
 from codatrain.train.checkpoint_files import checkpoint_reader, dcp_load
-from codatrain.train.parallelize import set_full_tensor, strip_wrapper_prefixes
 
 
 def is_checkpoint(path: str | os.PathLike) -> bool:
@@ -90,19 +91,17 @@ def load_init_weights(model: nn.Module, path: str | os.PathLike, model_cfg: Llam
 
 
 @torch.no_grad()
-def load_hf_weights(model: nn.Module, path: str | os.PathLike, model_cfg: LlamaConfig,
+def load_hf_weights(model: CanonicalModel, path: str | os.PathLike, model_cfg: LlamaConfig,
                     log: Callable[[str], None]) -> None:
     """Load HF Llama weights (a directory or a .safetensors file) into `model`, which may be
     wrapped and FSDP2-sharded; ValueError on a config or shape mismatch (nothing is loaded then)."""
     ckpt = HFCheckpoint(path)
     if ckpt.config is not None:
         model_cfg.check_architecture(config_from_hf(ckpt.config), f"init_from={path}")
-    layout = model.layout()  # type: ignore[operator]
-    params = {strip_wrapper_prefixes(name): param for name, param in model.named_parameters()}
-    ckpt.check({layout[native].name: tuple(p.shape) for native, p in params.items()}, model_cfg)
-    for native, param in params.items():
-        canonical = layout[native]
-        set_full_tensor(param, canonical.to_native(ckpt.canonical(canonical.name).to(param.dtype)))
+    mapping = CanonicalMapping(model)
+    shapes = {mapping.canonical[native]: tuple(shape) for native, shape in mapping.shapes.items()}
+    ckpt.check(shapes, model_cfg)
+    mapping.assign(model, lambda name, shape: ckpt.canonical(name))
     log(f"initialised weights from {path}")
 
 

@@ -1,9 +1,9 @@
-"""A training job's side of the kernel cache (`codatrain.kernels.precompile` owns the directory).
+"""A training job's side of the kernel cache (`codatrain.kernels.cache` owns the directory).
 
 Before anything imports a CuTeDSL library, `KernelCache` points QuACK and FA4 at
-`kernels.cache_dir`; once the block is resolved, `ensure` checks that the cache holds this run's
-kernels (`kernel_shapes`) and rebuilds it or stops, as `kernels.on_stale` says. After the first
-optimizer step, `first_step_report` says how startup went.
+`kernels.cache_dir`; once the run plan has resolved the block, `ensure` checks that the cache holds
+this run's kernels (the plan's `kernel_shapes`) and rebuilds it or stops, as `kernels.on_stale`
+says. After the first optimizer step, `first_step_report` says how startup went.
 """
 
 from __future__ import annotations
@@ -16,28 +16,8 @@ from pathlib import Path
 import torch
 import torch.distributed
 
-from codatrain.config import RunConfig
-from codatrain.kernels.precompile import KernelShapes, ensure_cache, point_libraries_at
-from codatrain.kernels.resolve import ResolvedBlock
+from codatrain.kernels.cache import KernelShapes, ensure_cache, point_libraries_at
 from codatrain.train.distributed import DistInfo
-from codatrain.train.hf_io import run_model_config
-
-
-def kernel_shapes(run: RunConfig, block: ResolvedBlock) -> KernelShapes:
-    """The kernels a job of `run` launches on the resolved `block`: its model widths, micro-batch
-    (train.micro_batch_size sequences of data.seq_len tokens) and document masking."""
-    cfg = run_model_config(run)
-    # Refused here, before anything compiles: a width the kernels cannot take would otherwise
-    # stop the build with a compiler error.
-    problem = block.unsupported_widths(cfg.dim, cfg.ffn_dim, cfg.head_dim)
-    if problem:
-        raise ValueError(problem)
-    return KernelShapes(
-        dim=cfg.dim, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-        ffn_dim=cfg.ffn_dim, vocab_size=cfg.vocab_size, batch=run.train.micro_batch_size,
-        seq_len=run.data.seq_len, stages=block.cute_stages, fa4=block.fa4,
-        documents=run.data.keep_document_boundaries,
-    )
 
 
 def process_age_s() -> float | None:
@@ -91,7 +71,7 @@ class KernelCache:
         since = "process start" if age is not None else "trainer setup"
         line = f"time to first step: {time.time() - started:.1f} s from {since}"
         if "codatrain.kernels.cute" in sys.modules:
-            from codatrain.kernels.cute.precompile import kernel_counts
+            from codatrain.kernels.cute.pins import kernel_counts
 
             loaded, compiled, names = kernel_counts(started)
             where = f" from {self.cache_dir}" if self.cache_dir is not None else ""

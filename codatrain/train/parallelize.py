@@ -1,9 +1,8 @@
 """Apply activation checkpointing, torch.compile and FSDP2 to a model from the outside.
 
 The model only has to expose `blocks()`: the modules sharded (and compiled, and checkpointed) one
-at a time. Order follows torchtitan: checkpointing, then compile, then FSDP2. The model's own
-parameter names (those of its `layout()`) are the wrapped names less `WRAPPER_PREFIXES`; weights
-go into sharded parameters through `set_full_tensor`.
+at a time. Order follows torchtitan: checkpointing, then compile, then FSDP2. Weights go into the
+wrapped, sharded parameters through `codatrain.train.canonical_state`.
 """
 
 from __future__ import annotations
@@ -13,18 +12,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 
-from codatrain.model.init import native_init_tensor
-
-# Wrappers that activation checkpointing and torch.compile put into parameter names.
-WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def strip_wrapper_prefixes(fqn: str) -> str:
-    for prefix in WRAPPER_PREFIXES:
-        fqn = fqn.replace(prefix, "")
-    return fqn
+from codatrain.model.layout import CanonicalModel
 
 
 def _replace_block(model: nn.Module, block: nn.Module, new: nn.Module) -> None:
@@ -36,7 +25,7 @@ def _replace_block(model: nn.Module, block: nn.Module, new: nn.Module) -> None:
     raise ValueError("block is not a submodule of the model")
 
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
+def apply_activation_checkpointing(model: CanonicalModel) -> None:
     """Recompute every block but the last in backward. The last block's backward runs right after
     its forward, while every other block's checkpoint is alive, so recomputing it would not lower
     the peak; it would repeat its work (for the CODA model, the LM head's three GEMMs)."""
@@ -44,7 +33,7 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         _replace_block(model, block, checkpoint_wrapper(block))
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: CanonicalModel) -> None:
     for block in model.blocks():
         block.compile(fullgraph=False)
 
@@ -53,14 +42,15 @@ def data_parallel_mesh(device: torch.device, world_size: int) -> DeviceMesh:
     return init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, mixed_precision: bool) -> None:
+def apply_fsdp(model: CanonicalModel, mesh: DeviceMesh, compute_dtype: torch.dtype) -> None:
     """fully_shard each block, then the root (embedding, final norm, head and the rest).
 
-    On GPU the policy computes in bf16 with fp32 master weights and fp32 gradient reduction.
+    Below fp32 (bf16 on a GPU) the policy computes in `compute_dtype` with fp32 master weights and
+    fp32 gradient reduction.
     """
     policy = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if mixed_precision
+        MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        if compute_dtype != torch.float32
         else MixedPrecisionPolicy()
     )
     blocks = model.blocks()
@@ -80,22 +70,3 @@ def reshard_after_eval(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
-
-
-def set_full_tensor(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy a full (unsharded) tensor into a parameter that may be an FSDP2-sharded DTensor."""
-    if isinstance(param, DTensor):
-        # Every rank holds the same full tensor, so each takes its shard locally (no scatter).
-        full = distribute_tensor(
-            full.to(param.device, param.dtype), param.device_mesh, param.placements, src_data_rank=None
-        )
-    param.copy_(full)
-
-
-@torch.no_grad()
-def init_weights(model: nn.Module, seed: int) -> None:
-    """`model.init_weights(seed)` for a model that may be wrapped and sharded: the same weights."""
-    layout = model.layout()  # type: ignore[operator]
-    for name, param in model.named_parameters():
-        canonical = layout[strip_wrapper_prefixes(name)]
-        set_full_tensor(param, native_init_tensor(canonical, param.shape, model.cfg, seed))  # type: ignore[arg-type]

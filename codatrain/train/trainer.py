@@ -6,7 +6,7 @@ import contextlib
 import itertools
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -14,9 +14,9 @@ from omegaconf import DictConfig
 
 from codatrain.config import RunConfig, validate
 from codatrain.data import build_loaders
-from codatrain.kernels.resolve import resolve_block
 from codatrain.kernels.stages import IGNORE_INDEX
 from codatrain.model import build_model
+from codatrain.train.canonical_state import init_weights
 from codatrain.train.checkpoint import CHECKPOINTS_DIR, checkpoint_dirs
 from codatrain.train.checkpointer import Checkpointer
 from codatrain.train.distributed import (
@@ -26,8 +26,7 @@ from codatrain.train.distributed import (
     init_distributed,
     shutdown_distributed,
 )
-from codatrain.train.hf_io import run_model_config, run_tokenizer
-from codatrain.train.kernel_cache import KernelCache, kernel_shapes
+from codatrain.train.kernel_cache import KernelCache
 from codatrain.train.logger import RunLogger, format_duration
 from codatrain.train.metrics import (
     format_mfu,
@@ -42,9 +41,9 @@ from codatrain.train.parallelize import (
     apply_compile,
     apply_fsdp,
     data_parallel_mesh,
-    init_weights,
     reshard_after_eval,
 )
+from codatrain.train.plan import build_run_plan
 from codatrain.train.profiling import StepProfiler
 from codatrain.train.run_lock import RunDirLock
 
@@ -81,61 +80,48 @@ class Trainer:
         tcfg = run.train
         torch.manual_seed(tcfg.seed)
 
-        self.model_cfg = run_model_config(run)
-        self.seq_len = run.data.seq_len
-        tokens_per_micro_step = tcfg.micro_batch_size * self.seq_len * dist_info.world_size
-        self.tokens_per_step = tcfg.tokens_per_step or tokens_per_micro_step
-        if self.tokens_per_step % tokens_per_micro_step:
-            raise ValueError(
-                f"train.tokens_per_step={self.tokens_per_step} is not a multiple of micro_batch_size × "
-                f"data.seq_len × processes = {tcfg.micro_batch_size} × {self.seq_len} × "
-                f"{dist_info.world_size} = {tokens_per_micro_step}"
-            )
-        self.grad_accum = self.tokens_per_step // tokens_per_micro_step
-
-        # Before any kernel can compile (or a CuTeDSL library load: resolving `auto` loads them):
-        # point the CuTeDSL kernels at kernels.cache_dir, rebuilding it (or failing,
+        # Before any kernel can compile (or a CuTeDSL library load: resolving the block in the plan
+        # loads them): point the CuTeDSL kernels at kernels.cache_dir, then rebuild it (or fail,
         # kernels.on_stale) when it was not built for this run and software.
         self.kernel_cache = KernelCache(run.kernels.cache_dir, dist_info)
-        self.block = block = resolve_block(run.block.impl, run.block.backend, run.block.attention, device,
-                                           self.model_cfg.head_dim)
-        shapes = kernel_shapes(run, block)
-        self.kernel_cache.ensure(shapes, run.kernels.on_stale)
+        self.plan = plan = build_run_plan(run, device, dist_info.world_size)
+        self.kernel_cache.ensure(plan.kernel_shapes, run.kernels.on_stale)
+        self.model_cfg = plan.model_cfg
+        self.tokens_per_step, self.grad_accum = plan.tokens_per_step, plan.grad_accum
 
         # Build on the meta device, wrap, shard, then materialise: no process ever holds the full
         # model, and init is drawn per canonical tensor so it is the same for any sharding.
         with torch.device("meta"):
-            model = build_model(self.model_cfg, block.impl, block.backend, block.attention, device)
+            model = build_model(self.model_cfg, plan.block, device)
         if tcfg.activation_checkpointing:
             apply_activation_checkpointing(model)
         if tcfg.compile:
             apply_compile(model)
         if dist_info.is_distributed:
             mesh = data_parallel_mesh(device, dist_info.world_size)
-            apply_fsdp(model, mesh, mixed_precision=device.type == "cuda")
+            apply_fsdp(model, mesh, plan.compute_dtype)
         model.to_empty(device=device)
         init_weights(model, tcfg.seed)
         self.model = model
-        # Without FSDP2 (a single plain process) a GPU still trains in bf16, through autocast.
-        self.autocast = device.type == "cuda" and not dist_info.is_distributed
+        # Without FSDP2 (a single plain process) a GPU still computes in bf16, through autocast.
+        self.autocast = plan.compute_dtype != torch.float32 and not dist_info.is_distributed
 
         self.optimizer = build_optimizer(model, run.optim, device)
         self.scheduler = build_scheduler(self.optimizer, run.optim, tcfg.steps)
-        tokenizer, self.tokenizer_line = run_tokenizer(run)
         self.train_data, self.val_data = build_loaders(
-            replace(run.data, tokenizer=tokenizer), tcfg.micro_batch_size, dist_info.rank,
-            dist_info.world_size, tcfg.seed, device,
+            plan.data, tcfg.micro_batch_size, dist_info.rank, dist_info.world_size, tcfg.seed,
+            device,
             max_seq_len=self.model_cfg.max_seq_len, model_vocab_size=self.model_cfg.vocab_size,
         )
 
         self.run_dir = tcfg.run_dir
         self.logger = RunLogger(run, enabled=dist_info.is_main)
-        self.flops_per_token = self.model_cfg.flops_per_token(self.seq_len)
+        self.flops_per_token = self.model_cfg.flops_per_token(plan.data.seq_len)
         self.peak = peak_flops(device)
         # Resume (checkpoint.resume) or load init_from weights; before fit() starts the data iterators.
         self.checkpointer = Checkpointer(
             run.checkpoint, self.run_dir, self.model_cfg, model, self.optimizer, self.scheduler,
-            {"train": self.train_data}, log=self.logger.info, tokenizer=tokenizer,
+            {"train": self.train_data}, log=self.logger.info, tokenizer=plan.data.tokenizer,
         )
         self.step = self.checkpointer.restore()
         # Loop state: steps skipped as non-finite, the time since the last record and in this run,
@@ -146,7 +132,7 @@ class Trainer:
     # ---- one optimizer step -------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.autocast:
-            return torch.autocast("cuda", dtype=torch.bfloat16)
+            return torch.autocast(self.dist.device.type, dtype=self.plan.compute_dtype)
         return contextlib.nullcontext()
 
     def train_step(self, batches) -> tuple[float, float, float]:
@@ -313,24 +299,8 @@ class Trainer:
         return " | ".join(parts)
 
     def log_header(self) -> None:
-        cfg, tcfg, block = self.model_cfg, self.run.train, self.block
-        impl = block.impl
-        if block.impl == "coda":  # what `auto` chose
-            impl += f" (stages {block.backend}, attention {block.attention})"
-        self.logger.info(
-            f"codatrain | block={impl} | {self.run.model.preset}: "
-            f"{cfg.num_params() / 1e6:.1f}M params, {self.flops_per_token / 1e9:.3f} GFLOP/token | "
-            f"{self.dist.world_size} × {self.dist.device.type} | seq {self.seq_len} × micro-batch "
-            f"{tcfg.micro_batch_size} × accum {self.grad_accum} = {self.tokens_per_step} tokens/step"
-        )
-        optim = self.run.optim  # the model config's recipe, with any overrides
-        clip = f"{optim.grad_clip:g}" if optim.grad_clip > 0 else "off"
-        self.logger.info(
-            f"recipe: AdamW lr {optim.lr:g}, {optim.warmup_steps} warmup steps, {optim.schedule} to "
-            f"{optim.min_lr_ratio:g}× | weight decay {optim.weight_decay:g} | betas ({optim.beta1:g}, "
-            f"{optim.beta2:g}) | grad clip {clip}"
-        )
-        self.logger.info(self.tokenizer_line)
+        for line in self.plan.header():
+            self.logger.info(line)
         for loader in (self.train_data, self.val_data):
             if loader is not None and loader.report:  # fine-tuning data: examples packed, cut, dropped
                 self.logger.info(loader.report)

@@ -22,11 +22,18 @@ pytest.importorskip("flash_attn.cute")
 from cute_check import DEVICE, load_canonical, model_failures  # noqa: E402
 from model_states import random_canonical_state  # noqa: E402
 
+from codatrain.kernels.resolve import resolve_block  # noqa: E402
 from codatrain.model.coda import CodaLlama  # noqa: E402
 from codatrain.model.config import LlamaConfig, get_preset  # noqa: E402
 from codatrain.model.llama import IGNORE_INDEX, Llama  # noqa: E402
 
 pytestmark = pytest.mark.gpu
+
+
+def cute_block(attention: str = "fa4"):
+    """The CODA block of the cute stages and FA4 (or `attention`), loaded for the GPU."""
+    return resolve_block("coda", "cute", attention, DEVICE)
+
 
 # name: (config, batch, sequence length)
 CASES = {
@@ -82,7 +89,7 @@ def test_cute_model_matches_eager(case):
     compare(case, cfg, batch, seq,
             ("eager-fp32", lambda: Llama(cfg), torch.float32),
             ("eager-bf16", lambda: Llama(cfg), torch.bfloat16),
-            ("coda-cute-bf16", lambda: CodaLlama(cfg, backend="cute", attention="fa4"), torch.bfloat16))
+            ("coda-cute-bf16", lambda: CodaLlama(cfg, cute_block()), torch.bfloat16))
 
 
 # Llama 3.2's RoPE scaling (a pretraining context of 64 positions, so the 200-token sequences reach
@@ -104,18 +111,18 @@ def test_cute_model_with_llama3_rope_and_tied_head_matches_reference(case):
     cfg, batch, seq = LLAMA3_CASES[case]
     assert cfg.tie_embeddings and cfg.rope_type == "llama3" and seq > cfg.rope_original_max_positions
     compare(case, cfg, batch, seq,
-            ("reference-fp32", lambda: CodaLlama(cfg, backend="reference", attention="sdpa"), torch.float32),
-            ("reference-bf16", lambda: CodaLlama(cfg, backend="reference", attention="sdpa"), torch.bfloat16),
-            ("coda-cute-bf16", lambda: CodaLlama(cfg, backend="cute", attention="fa4"), torch.bfloat16))
+            ("reference-fp32", lambda: CodaLlama(cfg), torch.float32),
+            ("reference-bf16", lambda: CodaLlama(cfg), torch.bfloat16),
+            ("coda-cute-bf16", lambda: CodaLlama(cfg, cute_block()), torch.bfloat16))
 
 
 def against_reference(case: str, cfg: LlamaConfig, batch: int, seq: int, head_scale: float = 1.0,
                       attention: str = "fa4") -> None:
     """The cute model against the reference backend: fp32 truth, bf16 baseline."""
     compare(case, cfg, batch, seq,
-            ("reference-fp32", lambda: CodaLlama(cfg, backend="reference", attention="sdpa"), torch.float32),
-            ("reference-bf16", lambda: CodaLlama(cfg, backend="reference", attention="sdpa"), torch.bfloat16),
-            ("coda-cute-bf16", lambda: CodaLlama(cfg, backend="cute", attention=attention), torch.bfloat16),
+            ("reference-fp32", lambda: CodaLlama(cfg), torch.float32),
+            ("reference-bf16", lambda: CodaLlama(cfg), torch.bfloat16),
+            ("coda-cute-bf16", lambda: CodaLlama(cfg, cute_block(attention)), torch.bfloat16),
             head_scale)
 
 

@@ -25,6 +25,7 @@ from model_states import documents_of, random_canonical_state  # noqa: E402
 
 from codatrain.kernels.attention import documents_from_ids, sdpa_attention  # noqa: E402
 from codatrain.kernels.cute.attention import fa4_attention  # noqa: E402
+from codatrain.kernels.resolve import resolve_block  # noqa: E402
 from codatrain.model.coda import CodaLlama  # noqa: E402
 from codatrain.model.config import get_preset  # noqa: E402
 from codatrain.model.llama import IGNORE_INDEX, Llama  # noqa: E402
@@ -34,6 +35,11 @@ DEVICE = torch.device("cuda")
 OUT_RTOL_FLOOR = 1e-2
 LOSS_RTOL_FLOOR = 5e-3
 GRAD_RTOL_FLOOR = 1e-2
+
+
+def cute_block():
+    """The CODA block of the cute stages and FA4, loaded for the GPU."""
+    return resolve_block("coda", "cute", "fa4", DEVICE)
 
 
 def doc_ids_of(lengths_per_row: list[list[int]]) -> torch.Tensor:
@@ -144,7 +150,7 @@ def test_cute_model_packed_equals_documents_alone():
     loss32, grads32 = alone(lambda: Llama(cfg), torch.float32)
     loss16, grads16 = alone(lambda: Llama(cfg), torch.bfloat16)
     candidates = {
-        "coda-cute": packed(lambda: CodaLlama(cfg, backend="cute", attention="fa4"), torch.bfloat16),
+        "coda-cute": packed(lambda: CodaLlama(cfg, cute_block()), torch.bfloat16),
         "eager-flex": packed(lambda: Llama(cfg), torch.bfloat16),
     }
     loss_tol = max(2 * abs(loss16 - loss32), LOSS_RTOL_FLOOR * abs(loss32))

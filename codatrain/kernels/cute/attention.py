@@ -14,10 +14,10 @@ from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
 
 # The backward kernel entry that FA4's `flash_attn_func` autograd function calls itself; the
 # flash-attn-4 version is pinned in pyproject.toml.
-from flash_attn.cute.interface import _flash_attn_bwd
 from torch import Tensor
 
 from codatrain.kernels.attention import Documents
+from codatrain.kernels.cute.pins import flash_attn_bwd
 
 
 @torch.library.custom_op("codatrain::fa4_fwd", mutates_args=(), device_types="cuda")
@@ -38,7 +38,7 @@ def _(q: Tensor, k: Tensor, v: Tensor):
 def _fa4_bwd(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
-    dq, dk, dv = _flash_attn_bwd(q, k, v, out, dout.contiguous(), lse, causal=True)
+    dq, dk, dv = flash_attn_bwd(q, k, v, out, dout.contiguous(), lse, causal=True)
     return dq, dk, dv
 
 
@@ -63,7 +63,8 @@ _fa4_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 # ---- variable length: the documents of a packed batch, flattened to (B·T, heads, d_h) ----------
 # Queries and keys share the documents: one cu_seqlens for both. The forward and backward are
-# plain functions too, which scripts/precompile.py's specs call to compile the same kernels.
+# plain functions too, which the compile specs (codatrain/kernels/cute/compile_specs.py) call to compile
+# the same kernels.
 
 
 def varlen_forward(
@@ -82,7 +83,7 @@ def varlen_backward(
     max_seqlen: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """FA4's causal varlen backward: (dq, dk, dv)."""
-    dq, dk, dv = _flash_attn_bwd(
+    dq, dk, dv = flash_attn_bwd(
         q, k, v, out, dout.contiguous(), lse, causal=True, cu_seqlens_q=cu_seqlens,
         cu_seqlens_k=cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
     )

@@ -35,8 +35,8 @@ _CONFIGS: dict[str, GemmConfig] = {
     # forward (gemm_stages.py)
     "residual_rms": _PINGPONG_128x192,  # F3 down-proj (K = F > N)
     # F1 out-proj (K = attention width ≤ N = d): its epilogue stores two M × N tensors behind a
-    # short mainloop, which 128×128 tiles hide better (1B: 1.104 → 1.052×, 8B: 1.164 → 1.067×
-    # cuBLAS), while F3's long mainloop runs best in 128×192.
+    # short mainloop, which 128×128 tiles hide better (docs/benchmarks.md), while F3's long
+    # mainloop runs best in 128×192.
     "residual_rms_short_k": _PINGPONG_128x128,
     "rstd_swiglu": _PINGPONG_192x128,  # F2 gate/up
     "rstd_rope": _PINGPONG_192x128,  # F4 QKV

@@ -20,11 +20,11 @@ from quack.cache import jit_cache
 from quack.compile_utils import make_fake_stream, make_fake_tensor
 from quack.copy_utils import get_copy_atom, tiled_copy_1d
 from quack.cute_dsl_utils import torch2cute_dtype_map
+from quack.dsl.torch_library_op import cute_op
 from quack.reduce import row_reduce
 from torch import Tensor
 
 from codatrain.kernels.cute.common import RowTiling, aligned16, copy_masked
-from codatrain.kernels.cute.torch_op import stage_op
 
 _MAX_THREADS = 128
 
@@ -140,7 +140,7 @@ def compile_entry(tok_dtype: type, emb_dtype: type, out_dtype: type, gamma_dtype
     )
 
 
-@stage_op("cute_entry", mutates_args=("x", "h", "rstd"))
+@cute_op("codatrain::cute_entry", mutates_args=("x", "h", "rstd"), device_types="cuda")
 def entry(
     tokens: Tensor, embedding: Tensor, gamma: Tensor, x: Tensor, h: Tensor, rstd: Tensor, eps: float
 ) -> None:
@@ -213,7 +213,7 @@ def compile_entry_bwd(tok_dtype: type, dx_dtype: type, dim: int):
     )
 
 
-@stage_op("cute_entry_bwd", mutates_args=("grad",))
+@cute_op("codatrain::cute_entry_bwd", mutates_args=("grad",), device_types="cuda")
 def entry_bwd(dx: Tensor, tokens: Tensor, grad: Tensor) -> None:
     """grad (V, d) fp32 += the dx rows of each token, in its row; dx and tokens contiguous."""
     dtypes = torch2cute_dtype_map[tokens.dtype], torch2cute_dtype_map[dx.dtype]

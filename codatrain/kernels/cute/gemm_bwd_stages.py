@@ -12,6 +12,7 @@ as A (M-major) and the activation a as B. No operand is copied.
 from __future__ import annotations
 
 import torch
+from quack.dsl.torch_library_op import cute_op
 from quack.epilogue.library import dswiglu_dpreact_mod
 from quack.gemm_config import cta_tile_shape_m
 from quack.gemm_interface import gemm_add_inplace
@@ -20,7 +21,6 @@ from torch import Tensor
 from codatrain.kernels.cute.common import aligned16
 from codatrain.kernels.cute.configs import gemm_config
 from codatrain.kernels.cute.epilogues import rms_bwd_epi, rms_bwd_residual_epi
-from codatrain.kernels.cute.torch_op import stage_op
 
 # ---- RMSNorm backward in the consumer's dgrad ----------------------------------------------------
 
@@ -32,7 +32,7 @@ def rms_bwd_row_tiles(m: int) -> int:
     return (m + tile_m - 1) // tile_m
 
 
-@stage_op("cute_gemm_rms_bwd", mutates_args=("dx", "n", "dgamma_partials"))
+@cute_op("codatrain::cute_gemm_rms_bwd", mutates_args=("dx", "n", "dgamma_partials"), device_types="cuda")
 def gemm_rms_bwd(
     dz: Tensor, weight: Tensor, x: Tensor, gamma: Tensor, rstd: Tensor, zdz: Tensor,
     residual_grad: Tensor | None, dx: Tensor, n: Tensor, dgamma_partials: Tensor,
@@ -62,7 +62,7 @@ def gemm_rms_bwd(
 # ---- dSwiGLU in the down-projection's dgrad -------------------------------------------------------
 
 
-@stage_op("cute_gemm_dswiglu", mutates_args=("dpreact", "y", "zdz"))
+@cute_op("codatrain::cute_gemm_dswiglu", mutates_args=("dpreact", "y", "zdz"), device_types="cuda")
 def gemm_dswiglu(
     dout: Tensor, weight: Tensor, preact: Tensor, dpreact: Tensor, y: Tensor, zdz: Tensor
 ) -> None:
@@ -92,7 +92,7 @@ def wgrad(dz: Tensor, a: Tensor) -> Tensor:
     return torch.mm(dz.t(), a)
 
 
-@stage_op("cute_wgrad_accumulate", mutates_args=("out",))
+@cute_op("codatrain::cute_wgrad_accumulate", mutates_args=("out",), device_types="cuda")
 def wgrad_accumulate(dz: Tensor, a: Tensor, out: Tensor) -> None:
     """out (N, K) += dzᵀ·a in place; out may be fp32 (the GEMM's accumulator is added into it
     by the TMA reduce-add store, so the sum is never rounded to the activation dtype)."""

@@ -1,6 +1,6 @@
 """The GEMM + epilogue forward stages of the CODA block on QuACK's SM90 GEMM.
 
-Each stage is an out-style torch custom op (`codatrain::cute_*`, see torch_op.py): `CuteStages`
+Each stage is an out-style torch custom op (`codatrain::cute_*`, QuACK's `cute_op`): `CuteStages`
 allocates the outputs, and the op launches one QuACK epilogue GEMM into them. QuACK compiles
 each (epilogue, config, dtypes) kernel once and keeps it in its on-disk cache; the tile configs
 are in configs.py.
@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from quack.dsl.torch_library_op import cute_op
 from quack.epilogue.library import rms_partial_epi
 from quack.epilogue.rotary import make_interleaved_inv_freq, rstd_rope_posfreq_epi
 from quack.rms_final_reduce import rms_final_reduce
@@ -22,7 +23,6 @@ from torch import Tensor
 from codatrain.kernels.cute.common import empty
 from codatrain.kernels.cute.configs import gemm_config
 from codatrain.kernels.cute.epilogues import rstd_epi, rstd_lse_target_epi, rstd_swiglu_epi
-from codatrain.kernels.cute.torch_op import stage_op
 from codatrain.kernels.stages import Rope, RopeType, rope_inv_freq
 
 
@@ -41,7 +41,7 @@ def residual_rms_stage(k: int, n: int) -> str:
     return "residual_rms_short_k" if k <= n else "residual_rms"
 
 
-@stage_op("cute_gemm_residual_rms", mutates_args=("x", "h", "sq_partials"))
+@cute_op("codatrain::cute_gemm_residual_rms", mutates_args=("x", "h", "sq_partials"), device_types="cuda")
 def gemm_residual_rms(
     a: Tensor, weight: Tensor, residual: Tensor, gamma: Tensor, x: Tensor, h: Tensor, sq_partials: Tensor
 ) -> None:
@@ -73,7 +73,7 @@ def rstd_from_partials(sq_partials: Tensor, *, dim: int, eps: float) -> Tensor:
 # ---- F2: gate/up GEMM · rstd + SwiGLU ----------------------------------------------------------
 
 
-@stage_op("cute_gemm_rstd_swiglu", mutates_args=("preact", "y"))
+@cute_op("codatrain::cute_gemm_rstd_swiglu", mutates_args=("preact", "y"), device_types="cuda")
 def gemm_rstd_swiglu(h: Tensor, weight: Tensor, rstd: Tensor, preact: Tensor, y: Tensor) -> None:
     """preact = rstd ⊙ (h·Wᵀ) (gate/up interleaved) and y = silu(g)·u from the fp32 accumulator."""
     rstd_swiglu_epi(
@@ -106,7 +106,7 @@ def rope_freq(head_dim: int, rope_heads: int, n: int, device: torch.device, *rop
     return make_interleaved_inv_freq(inv_freq, rope_cols, n - rope_cols).to(device)
 
 
-@stage_op("cute_gemm_rstd_rope", mutates_args=("qkv",))
+@cute_op("codatrain::cute_gemm_rstd_rope", mutates_args=("qkv",), device_types="cuda")
 def gemm_rstd_rope(
     h: Tensor, weight: Tensor, rstd: Tensor, positions: Tensor, qkv: Tensor, head_dim: int, rope_heads: int,
     rope_theta: float, rope_type: str, rope_factor: float, rope_low_freq_factor: float,
@@ -132,13 +132,13 @@ def gemm_rstd_rope(
 # ---- LM head: GEMM · rstd (logits), or · rstd + LSE + target logit (loss) ---------------------
 
 
-@stage_op("cute_gemm_rstd", mutates_args=("z",))
+@cute_op("codatrain::cute_gemm_rstd", mutates_args=("z",), device_types="cuda")
 def gemm_rstd(h: Tensor, weight: Tensor, rstd: Tensor, z: Tensor) -> None:
     """z = rstd ⊙ (h·Wᵀ)."""
     rstd_epi(h, weight.t(), out={"D": z}, config=gemm_config("rstd"), tuned=False, rstd=rstd)
 
 
-@stage_op("cute_gemm_rstd_lse", mutates_args=("lse", "target_logit"))
+@cute_op("codatrain::cute_gemm_rstd_lse", mutates_args=("lse", "target_logit"), device_types="cuda")
 def gemm_rstd_lse(
     h: Tensor, weight: Tensor, rstd: Tensor, targets: Tensor, lse: Tensor, target_logit: Tensor,
     ignore_index: int,

@@ -202,7 +202,7 @@ def lm_head_ce(
     """(loss (M,), dx (M, d), dγ (d,) fp32, and the weight gradient's parts for `lm_head_dweight`:
     dW (V, d) fp32 or None, the pending last chunk's dlogits and n or None) for a unit gradient of
     Σ loss. Under torch.compile through the custom op (one graph node); in eager mode around it
-    (the dispatcher costs tens of microseconds, see torch_op.stage_op)."""
+    (the dispatcher costs tens of microseconds)."""
     fn = _lm_head_ce_op if torch.compiler.is_compiling() else _lm_head_ce
     loss, dx, dgamma, *parts = fn(x, gamma, weight, targets, eps, chunk_rows, ignore_index)
     return loss, dx, dgamma, *split_dweight(parts, x.shape[0], x.shape[1], weight.shape[0], chunk_rows)

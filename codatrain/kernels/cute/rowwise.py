@@ -22,15 +22,15 @@ from quack.cache import jit_cache
 from quack.compile_utils import make_fake_stream, make_fake_tensor
 from quack.copy_utils import get_copy_atom, tiled_copy_1d
 from quack.cute_dsl_utils import torch2cute_dtype_map
+from quack.dsl.torch_library_op import cute_op
 
 # The forward epilogue's (sin, cos) of a float-float angle in turns; quack-kernels is pinned.
-from quack.epilogue.rotary import _sincos_turns
 from quack.reduce import row_reduce
 from torch import Tensor
 
 from codatrain.kernels.cute.common import RowTiling, copy_masked
 from codatrain.kernels.cute.gemm_stages import rope_freq
-from codatrain.kernels.cute.torch_op import stage_op
+from codatrain.kernels.cute.pins import sincos_turns
 
 _MAX_THREADS = 256
 
@@ -116,7 +116,7 @@ class RowDotKernel:
                     # fma recovers the bits the rounded product t drops.
                     t = pos * fh
                     lo = cute.math.fma(pos, fl, cute.math.fma(pos, fh, -t))
-                    s, c = _sincos_turns(t, lo)
+                    s, c = sincos_turns(t, lo)
                     x1 = tBr[2 * j, step].to(Float32)
                     x2 = tBr[2 * j + 1, step].to(Float32)
                     tRot[2 * j, step] = x1 * c + x2 * s
@@ -155,7 +155,7 @@ def compile_row_dot(dtype: type, n: int, rotate: bool):
     )
 
 
-@stage_op("cute_rope_bwd", mutates_args=("dz", "zdz"))
+@cute_op("codatrain::cute_rope_bwd", mutates_args=("dz", "zdz"), device_types="cuda")
 def rope_bwd(
     dqkv: Tensor, qkv: Tensor, positions: Tensor, dz: Tensor, zdz: Tensor, head_dim: int, rope_heads: int,
     rope_theta: float, rope_type: str, rope_factor: float, rope_low_freq_factor: float,
@@ -171,7 +171,7 @@ def rope_bwd(
     compiled(qkv, dqkv, positions.to(torch.float32), freq, dz, zdz)
 
 
-@stage_op("cute_row_dot", mutates_args=("zdz",))
+@cute_op("codatrain::cute_row_dot", mutates_args=("zdz",), device_types="cuda")
 def row_dot(z: Tensor, dz: Tensor, zdz: Tensor) -> None:
     """zdz (M,) fp32 = Σ_n z·dz; z and dz contiguous."""
     compile_row_dot(torch2cute_dtype_map[z.dtype], z.shape[1], False)(z, dz, None, None, None, zdz)

@@ -1,7 +1,8 @@
 """The CuTeDSL kernels a training config launches, as compile specs, and how to compile them
-without a GPU: the compile process that `codatrain.kernels.precompile` (which owns the cache
-directory) starts as ``python -m codatrain.kernels.cute.precompile``, and the count of kernels a
-training process loaded or compiled (`kernel_counts`).
+without a GPU: the compile process that `codatrain.kernels.cache` (which owns the cache
+directory) starts as ``python -m codatrain.kernels.cute.compile_specs``. How it compiles without a
+GPU (`compile_only`) and the count of kernels a process loaded or compiled (`kernel_counts`) reach
+into QuACK's and FA4's internals, so they live in pins.py.
 
 Each stage family contributes its kernels through one function of `KernelShapes`:
 `entry_kernels`, `forward_kernels`, `backward_kernels`, `attention_kernels` (`FAMILIES`). A
@@ -21,42 +22,41 @@ launches itself, as one calling its compile function.
 
 Importing this module needs the cuda extras. Compiling needs the target set in the environment
 before CuTeDSL is first imported (`CUTE_DSL_ARCH`, `QUACK_ARCH`, FA4's `FLASH_ATTENTION_ARCH` and
-`FLASH_ATTENTION_NUM_SMS`), as the compile processes started by `codatrain.kernels.precompile`
+`FLASH_ATTENTION_NUM_SMS`), as the compile processes started by `codatrain.kernels.cache`
 have it.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import faulthandler
-import functools
 import json
 import os
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
 
-import quack.cute_dsl_utils
-import quack.gemm_interface
-import quack.gemm_tvm_ffi_utils
-import quack.linear_cross_entropy
 import torch
 from flash_attn.cute import flash_attn_func
-from flash_attn.cute.interface import BIN_BATCH_SEARCH_THRESH, _flash_attn_bwd
-from quack.cache import CacheInfo
+from flash_attn.cute.interface import BIN_BATCH_SEARCH_THRESH
 from quack.cute_dsl_utils import torch2cute_dtype_map
-from quack.rmsnorm import _rmsnorm_bwd_f, rmsnorm_fwd
-from torch._subclasses.fake_tensor import FakeTensorMode
+from quack.rmsnorm import rmsnorm_fwd
 
 from codatrain.kernels.attention import Documents, causal_attention
+from codatrain.kernels.cache import HOPPER_SMS, KernelShapes
 from codatrain.kernels.cute import CuteStages, entry, head, rowwise
 from codatrain.kernels.cute.attention import varlen_backward, varlen_forward
-from codatrain.kernels.precompile import HOPPER_SMS, KernelShapes
+from codatrain.kernels.cute.pins import (
+    compile_only,
+    flash_attn_bwd,
+    kernel_lookups,
+    rmsnorm_bwd_impl,
+    skipping_lce_glue,
+)
 from codatrain.kernels.stages import IGNORE_INDEX, Rope
 
 # Training activations are bf16 (autocast on one GPU, FSDP2's param dtype on several);
@@ -218,8 +218,7 @@ def head_kernels(s: KernelShapes) -> list[KernelSpec]:
     def linear_cross_entropy() -> object:
         # Where the scaled-exp pipeline applies, the base one compiles too: a micro-batch whose
         # loss is past its exact range reruns there (head.SCALED_EXP_MAX_LOSS).
-        with mock.patch.object(quack.linear_cross_entropy, "lce_glue", lambda *args, **kwargs: None), \
-                mock.patch.object(head, "scaled_exp_is_exact", lambda loss: False):
+        with skipping_lce_glue(), mock.patch.object(head, "scaled_exp_is_exact", lambda loss: False):
             return head.linear_cross_entropy(_act(m, d), _act(vocab, d), _index(m), rows, IGNORE_INDEX)
 
     summed, last_rows = head.dweight_parts(m, d, vocab, rows)
@@ -232,9 +231,8 @@ def head_kernels(s: KernelShapes) -> list[KernelSpec]:
                                     _stat(), ACT)
 
     def final_norm_backward() -> object:
-        # The implementation of the custom op `head` calls (under FakeTensorMode the op itself
-        # would run its fake, which compiles nothing); the SM count only sizes an output.
-        return _rmsnorm_bwd_f._init_fn(_act(m, d), _act(d), _act(m, d), _stat(m), None, HOPPER_SMS)
+        # What `head` calls, below its custom op; the SM count only sizes an output.
+        return rmsnorm_bwd_impl(_act(m, d), _act(d), _act(m, d), _stat(m), None, HOPPER_SMS)
 
     return [
         KernelSpec("final RMSNorm", final_norm),
@@ -258,7 +256,7 @@ def attention_kernels(s: KernelShapes) -> list[KernelSpec]:
             with torch.no_grad():
                 out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
             if backward:
-                _flash_attn_bwd(q, k, v, out, torch.empty_like(out), lse, causal=True)
+                flash_attn_bwd(q, k, v, out, torch.empty_like(out), lse, causal=True)
             return out
 
         return lambda: causal_attention(
@@ -320,57 +318,6 @@ def kernel_specs(shapes: KernelShapes) -> list[KernelSpec]:
 # ---- compiling without a GPU ------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def compile_only(num_sms: int) -> Iterator[list[object]]:
-    """Trace and compile for a Hopper GPU that need not be there, launching nothing. Yields the
-    list of the QuACK launch plans whose launch it skipped so far.
-
-    - Tensors are fake (FakeTensorMode): real shapes, strides and dtypes, no memory, no driver.
-    - QuACK sends every GEMM launch through `launch_gemm`, which does nothing here. Every other
-      kernel is launched by calling what its `jit_cache` compile function returned: here those
-      functions compile (or load) as usual and return a launcher that does nothing, so a spec
-      runs the stage's own Python path and compiles exactly the keys a training job asks for.
-    - QuACK's `gemm_add_inplace` calls its torch custom op even in eager mode, and under
-      FakeTensorMode that op runs its fake, which compiles nothing: here it calls the op's own
-      implementation directly, as QuACK's eager paths do for its other ops.
-    - QuACK asks the driver how many clusters fit on the GPU (`get_max_active_clusters`) to size
-      the persistent grid of a launch plan. Here the target answers instead: a Hopper GEMM CTA
-      fills an SM, so num_sms // cluster_size clusters (66 of 2 CTAs on a 132-SM H100 SXM or
-      H200). The number only sizes the grid of a launch that never happens; no compiled kernel
-      depends on it.
-    """
-    launch = quack.gemm_tvm_ffi_utils.launch_gemm
-    clusters = quack.cute_dsl_utils.get_max_active_clusters
-    skipped: list[object] = []
-
-    def skip_launch(plan: object, *args: object, **kwargs: object) -> None:
-        del args, kwargs
-        skipped.append(plan)
-
-    def target_clusters(cluster_size: int, *args: object, **kwargs: object) -> int:
-        del args, kwargs
-        return num_sms // cluster_size
-
-    with contextlib.ExitStack() as stack:
-        # QuACK's modules import both functions by name: replace every module's reference.
-        quack_modules = [module for name, module in sys.modules.items() if name.split(".")[0] == "quack"]
-        for module in quack_modules:
-            for attr, value in list(vars(module).items()):
-                if value is launch:
-                    stack.enter_context(mock.patch.object(module, attr, skip_launch))
-                elif value is clusters:
-                    stack.enter_context(mock.patch.object(module, attr, target_clusters))
-        for owner, attr, compiler in _compiler_references():
-            launch_nothing = _launching_nothing(compiler)
-            if isinstance(owner, type):  # a kernel class's static compile method
-                launch_nothing = staticmethod(launch_nothing)
-            stack.enter_context(mock.patch.object(owner, attr, launch_nothing))
-        add_inplace = quack.gemm_interface.gemm_add_inplace_op._init_fn
-        stack.enter_context(mock.patch.object(quack.gemm_interface, "gemm_add_inplace_op", add_inplace))
-        stack.enter_context(FakeTensorMode())
-        yield skipped
-
-
 def compile_specs(
     specs: list[KernelSpec], num_sms: int, log: Callable[[str], None] = print
 ) -> dict[str, float]:
@@ -382,98 +329,17 @@ def compile_specs(
     seconds = {}
     with compile_only(num_sms) as skipped_launches:
         for i, spec in enumerate(specs, 1):
-            start, reached = time.perf_counter(), (_kernel_lookups(), len(skipped_launches))
+            start, reached = time.perf_counter(), (kernel_lookups(), len(skipped_launches))
             faulthandler.dump_traceback_later(SPEC_TIMEOUT_S, exit=True)
             try:
                 spec.compile()
             finally:
                 faulthandler.cancel_dump_traceback_later()
-            if (_kernel_lookups(), len(skipped_launches)) == reached:
+            if (kernel_lookups(), len(skipped_launches)) == reached:
                 raise RuntimeError(f"kernel spec {spec.name!r} reached no kernel; training would compile it")
             seconds[spec.name] = round(time.perf_counter() - start, 2)
             log(f"{i}/{len(specs)} {spec.name}: {seconds[spec.name]:.1f} s")
     return seconds
-
-
-def _kernel_lookups() -> int:
-    """How often a kernel was fetched from a compile cache so far (compiled, loaded or in memory)."""
-    quack_lookups = sum(info.hits + info.misses for info in (c.cache_info() for c in jit_compilers()))
-    return quack_lookups + sum(len(cache.cache) for cache in fa4_caches())
-
-
-# ---- what a process compiled ----------------------------------------------------------------------
-
-
-def _compiler_references() -> list[tuple[object, str, Callable]]:
-    """(owner, attribute, compile function) for every reference to a QuACK `jit_cache` compile
-    function (QuACK's own and codatrain's) in the loaded modules: module attributes, and the static
-    compile methods of kernel classes (QuACK's `CrossEntropy.compile`)."""
-    found = []
-    for name, module in list(sys.modules.items()):
-        if name.split(".")[0] != "quack" and not name.startswith("codatrain.kernels.cute"):
-            continue
-        owners = [module, *(m for m in vars(module).values() if isinstance(m, type) and m.__module__ == name)]
-        for owner in owners:
-            for attr, value in list(vars(owner).items()):
-                compiler = value.__func__ if isinstance(value, staticmethod) else value
-                # A jit_cache wrapper: one kernel per key in `cache`, and QuACK's CacheInfo counts.
-                info = getattr(compiler, "cache_info", None)
-                if isinstance(getattr(compiler, "cache", None), dict) and callable(info):
-                    if isinstance(info(), CacheInfo):
-                        found.append((owner, attr, compiler))
-    return found
-
-
-def _launching_nothing(compiler: Callable) -> Callable:
-    """`compiler`, whose kernels launch nothing (`compile_only`); it keeps the compiler's cache
-    and counts, so `jit_compilers` still finds them."""
-
-    @functools.wraps(compiler)
-    def compile_only_launcher(*args: object, **kwargs: object) -> Callable:
-        compiler(*args, **kwargs)
-        return lambda *args, **kwargs: None
-
-    return compile_only_launcher
-
-
-def jit_compilers() -> list[Callable]:
-    """QuACK's `jit_cache` compile functions (its own and codatrain's) loaded in this process."""
-    return list({id(compiler): compiler for _, _, compiler in _compiler_references()}.values())
-
-
-def fa4_caches() -> list:
-    """FA4's compile caches (one per kernel kind: forward, backward, their helpers), if loaded."""
-    fa4 = sys.modules.get("flash_attn.cute.interface")
-    if fa4 is None:
-        return []
-    caches = (getattr(value, "compile_cache", None) for value in list(vars(fa4).values()))
-    return list({id(cache): cache for cache in caches if cache is not None}.values())
-
-
-def kernel_counts(since: float) -> tuple[int, int, list[str]]:
-    """(kernels loaded from disk, kernels compiled, what compiled: a compile function's name and
-    its count, e.g. "CrossEntropy.compile ×2") by this process, started at wall-clock time `since`,
-    over QuACK's compile functions and FA4's compile caches."""
-    loaded = compiled = 0
-    names = []
-    for compiler in jit_compilers():
-        info = compiler.cache_info()
-        loaded += info.currsize - info.misses
-        compiled += info.misses
-        if info.misses:
-            names.append(f"{compiler.__qualname__} ×{info.misses}")
-    for cache in fa4_caches():
-        # FA4 does not count. With its disk cache on, it exports every kernel it compiles, so
-        # this process's compiles are the objects written since it started.
-        fresh = len(cache.cache)
-        if hasattr(cache, "cache_path"):
-            written = sum(path.stat().st_mtime >= since for path in Path(cache.cache_path).glob("*.o"))
-            fresh = min(fresh, written)
-        compiled += fresh
-        loaded += len(cache.cache) - fresh
-        if fresh:
-            names.append(f"FA4 {Path(getattr(cache, 'cache_path', 'kernel')).name} ×{fresh}")
-    return loaded, compiled, names
 
 
 # ---- the compile process ----------------------------------------------------------------------
@@ -481,7 +347,7 @@ def kernel_counts(since: float) -> tuple[int, int, list[str]]:
 
 def _worker(argv: list[str]) -> None:
     """One compile process: compiles its share (`--part i/n`) of the kernel specs of `--shapes`
-    and writes [[spec name, seconds], …] to `--report`. Started by `codatrain.kernels.precompile`
+    and writes [[spec name, seconds], …] to `--report`. Started by `codatrain.kernels.cache`
     with the environment of its `_compile_env`, which CuTeDSL read when it was first imported."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", required=True)

@@ -5,7 +5,7 @@ The kernels are known before training starts: which ones depends on the model wi
 micro-batch (FlashAttention 4 picks its variant from batch and sequence length) and which parts
 of the block run as CuTeDSL kernels (`KernelShapes`), never on the depth. `precompile` compiles
 them for Hopper (sm_90a) in separate processes that see no GPU, so a CPU machine or CI can build
-the cache; those processes run `codatrain.kernels.cute.precompile`, which holds the compile specs.
+the cache; those processes run `codatrain.kernels.cute.compile_specs`, which holds the compile specs.
 This module imports nothing of the cute side.
 
 A cache directory holds:
@@ -264,7 +264,7 @@ def _build(
     reports = [cache_dir / f".report.{os.getpid()}.{part}.json" for part in range(jobs)]
     workers = [
         subprocess.Popen(
-            [sys.executable, "-m", "codatrain.kernels.cute.precompile", "--shapes",
+            [sys.executable, "-m", "codatrain.kernels.cute.compile_specs", "--shapes",
              json.dumps(dataclasses.asdict(shapes)), "--part", f"{part}/{jobs}", "--report", str(report)],
             env=_compile_env(cache_dir, num_sms),
         )

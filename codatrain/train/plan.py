@@ -1,0 +1,93 @@
+"""The run plan: every fact derived from a run's typed config, decided once.
+
+`build_run_plan` reads checkpoint.init_from's architecture once (model=hf), gives the data config
+its tokenizer, resolves the block for the device (`resolve_block` loads the CODA kernels and checks
+them against it, once), and derives the kernel shapes, the compute dtype, the tokens per optimizer
+step and the gradient accumulation. The trainer runs from the plan and scripts/precompile.py builds
+the same plan without a device (for its target, an sm_90 GPU); `header` is the run's header.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from codatrain.config import RunConfig
+from codatrain.data.config import DataConfig
+from codatrain.kernels.cache import KernelShapes
+from codatrain.kernels.resolve import ResolvedBlock, resolve_block
+from codatrain.model.config import LlamaConfig
+from codatrain.train.hf_io import run_model_config, run_tokenizer
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    run: RunConfig
+    model_cfg: LlamaConfig  # the preset with overrides, or for model=hf init_from's architecture
+    data: DataConfig  # run.data with its tokenizer decided
+    tokenizer_line: str  # the tokenizer in force and where it comes from, for the header
+    block: ResolvedBlock  # for a device: with the CODA kernels, checked against it
+    kernel_shapes: KernelShapes  # the CuTeDSL kernels a job launches (the kernel cache's key)
+    # What the model computes in: bf16 on a GPU (parameters stay fp32), fp32 elsewhere.
+    compute_dtype: torch.dtype
+    device: str  # the device type, or "sm_90 target" for a plan without a device
+    world_size: int
+    tokens_per_step: int
+    grad_accum: int  # micro-batches per optimizer step and process
+
+    def header(self) -> list[str]:
+        """The run header: block, model, processes, batch and compute dtype; then the recipe."""
+        run, cfg = self.run, self.model_cfg
+        dtype = str(self.compute_dtype).removeprefix("torch.")
+        optim = run.optim  # the model config's recipe, with any overrides
+        clip = f"{optim.grad_clip:g}" if optim.grad_clip > 0 else "off"
+        return [
+            f"codatrain | block={self.block.describe()} | {run.model.preset}: "
+            f"{cfg.num_params() / 1e6:.1f}M params, {cfg.flops_per_token(self.data.seq_len) / 1e9:.3f} "
+            f"GFLOP/token | {self.world_size} × {self.device} | seq {self.data.seq_len} × micro-batch "
+            f"{run.train.micro_batch_size} × accum {self.grad_accum} = {self.tokens_per_step} tokens/step "
+            f"| {dtype}",
+            f"recipe: AdamW lr {optim.lr:g}, {optim.warmup_steps} warmup steps, {optim.schedule} to "
+            f"{optim.min_lr_ratio:g}× | weight decay {optim.weight_decay:g} | betas ({optim.beta1:g}, "
+            f"{optim.beta2:g}) | grad clip {clip}",
+            self.tokenizer_line,
+        ]
+
+
+def build_run_plan(run: RunConfig, device: torch.device | None, world_size: int = 1) -> RunPlan:
+    """The plan of `run` on `world_size` processes of `device`. `device` None plans for the
+    precompile target, an sm_90 GPU, without touching one (and one process: tokens per step that
+    fit N processes fit one). Raises ValueError naming the key for a batch that does not divide."""
+    model_cfg = run_model_config(run)
+    tokenizer, tokenizer_line = run_tokenizer(run)
+    data = replace(run.data, tokenizer=tokenizer)
+    block = resolve_block(run.block.impl, run.block.backend, run.block.attention, device, model_cfg.head_dim)
+    # Refused here, before anything compiles: a width the kernels cannot take would otherwise stop
+    # the kernel build with a compiler error.
+    problem = block.unsupported_widths(model_cfg.dim, model_cfg.ffn_dim, model_cfg.head_dim)
+    if problem:
+        raise ValueError(problem)
+    tcfg = run.train
+    tokens_per_micro_step = tcfg.micro_batch_size * data.seq_len * world_size
+    tokens_per_step = tcfg.tokens_per_step or tokens_per_micro_step
+    if tokens_per_step % tokens_per_micro_step:
+        raise ValueError(
+            f"train.tokens_per_step={tokens_per_step} is not a multiple of micro_batch_size × "
+            f"data.seq_len × processes = {tcfg.micro_batch_size} × {data.seq_len} × "
+            f"{world_size} = {tokens_per_micro_step}"
+        )
+    shapes = KernelShapes(
+        dim=model_cfg.dim, n_heads=model_cfg.n_heads, n_kv_heads=model_cfg.n_kv_heads,
+        head_dim=model_cfg.head_dim, ffn_dim=model_cfg.ffn_dim, vocab_size=model_cfg.vocab_size,
+        batch=tcfg.micro_batch_size, seq_len=data.seq_len, stages=block.cute_stages, fa4=block.fa4,
+        documents=data.keep_document_boundaries,
+    )
+    gpu = device is None or device.type == "cuda"
+    return RunPlan(
+        run=run, model_cfg=model_cfg, data=data, tokenizer_line=tokenizer_line, block=block,
+        kernel_shapes=shapes,
+        compute_dtype=torch.bfloat16 if gpu else torch.float32,
+        device="sm_90 target" if device is None else device.type, world_size=world_size,
+        tokens_per_step=tokens_per_step, grad_accum=tokens_per_step // tokens_per_micro_step,
+    )
