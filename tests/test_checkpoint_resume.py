@@ -2,6 +2,7 @@
 1, non-finite losses, HF exports during training and init_from finetuning."""
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch
 from codatrain.config import load_config, validate
 from codatrain.model import Llama
 from codatrain.model.hf import HFCheckpoint
-from codatrain.train.checkpoint import inspect_checkpoint
+from codatrain.train.checkpoint import CheckpointMismatch, inspect_checkpoint
 from codatrain.train.distributed import init_distributed
 from codatrain.train.hf_io import export_checkpoint_to_hf
 from codatrain.train.logger import read_losses, read_records
@@ -183,3 +184,24 @@ def test_tied_llama3_coda_model_under_fsdp2_resumes_on_one_eager_process(tmp_pat
     assert sorted(one.losses) == list(range(5, STEPS + 1))
     for step, loss in one.losses.items():
         assert loss == pytest.approx(two[step], rel=1e-4), step
+
+
+def test_a_run_dir_that_holds_another_experiment_says_so_and_how_to_go_on(tmp_path):
+    """Two experiments with the default run dir of their preset: the second is told that the folder
+    is another experiment's, why, and how to start its own or resume that one."""
+    run(tmp_path, "train.steps=2")
+    way_out = ("Start this one in a directory of its own (train.run_dir=<a new directory>), or resume that "
+               "one with the settings it was started with")
+    step_2 = tmp_path / "checkpoints" / "step_2"
+    with pytest.raises(CheckpointMismatch, match=re.escape(
+            f"train.run_dir={tmp_path} holds another experiment: {step_2}: the training data state was saved "
+            "with seq_len=64, but this run has seq_len=32: the data or its order changed, so it cannot "
+            f"continue exactly. {way_out}")):
+        run(tmp_path, "data.seq_len=32")
+    with pytest.raises(CheckpointMismatch, match=re.escape(
+            f"train.run_dir={tmp_path} holds another experiment: checkpoint {step_2} holds a different model "
+            f"(n_layers: 4 there, 1 here); to match it, set model.n_layers=4. {way_out}")):
+        run(tmp_path, "model.n_layers=1")
+    with pytest.raises(CheckpointMismatch, match=re.escape(
+            f"checkpoint.resume={step_2} is another experiment's: {step_2}: the training data state")):
+        run(tmp_path / "new", f"checkpoint.resume={step_2}", "data.seq_len=32")

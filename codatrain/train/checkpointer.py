@@ -22,6 +22,7 @@ from codatrain.train.checkpoint import (
     CHECKPOINTS_DIR,
     TMP_PREFIX,
     CheckpointError,
+    CheckpointMismatch,
     Log,
     Stateful,
     checkpoint_dirs,
@@ -65,7 +66,10 @@ class Checkpointer:
         if path is not None:
             if self.cfg.init_from:
                 self.log(f"checkpoint.init_from={self.cfg.init_from} ignored: resuming from {path}")
-            return self.load(Path(path))
+            try:
+                return self.load(Path(path))
+            except CheckpointMismatch as error:
+                raise CheckpointMismatch(self._mismatch_message(error)) from None
         if self.cfg.init_from:
             manifest = None
             if is_checkpoint(self.cfg.init_from):  # rank 0 checks it once, for every rank
@@ -93,6 +97,15 @@ class Checkpointer:
             return None
         self.verified.add(path)
         return str(path)
+
+    def _mismatch_message(self, error: CheckpointMismatch) -> str:
+        """What a run that cannot continue the checkpoint it would resume should do instead."""
+        if self.cfg.resume != "auto":
+            return (f"checkpoint.resume={self.cfg.resume} is another experiment's: {error}. Resume it with "
+                    "the settings it was started with, or leave checkpoint.resume unset")
+        return (f"train.run_dir={self.run_dir} holds another experiment: {error}. Start this one in a "
+                "directory of its own (train.run_dir=<a new directory>), or resume that one with the "
+                "settings it was started with")
 
     def load(self, path: Path) -> int:
         """Load everything from a checkpoint directory; returns its step."""
