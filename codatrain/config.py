@@ -274,9 +274,12 @@ class CheckpointConfig:
     # optimizer, step 0). A checkpoint to resume takes precedence.
     init_from: str | None = None
     save_hf_every: int = 0  # also write <run_dir>/hf/step_<n>/ every N steps and at the end (0: never)
+    # Ctrl-C or SIGTERM stops the run after the step in flight; it saves there when the last checkpoint
+    # is at least this many steps old (1: whenever it is not of this step; 0: never).
+    stop_save_after: int = 1
 
     def __post_init__(self) -> None:
-        _require_not_negative(self, "checkpoint", "every", "save_hf_every")
+        _require_not_negative(self, "checkpoint", "every", "save_hf_every", "stop_save_after")
 
 
 @dataclass

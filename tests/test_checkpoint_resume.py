@@ -2,7 +2,9 @@
 1, non-finite losses, HF exports during training and init_from finetuning."""
 
 import itertools
+import os
 import re
+import signal
 
 import pytest
 import torch
@@ -205,3 +207,48 @@ def test_a_run_dir_that_holds_another_experiment_says_so_and_how_to_go_on(tmp_pa
     with pytest.raises(CheckpointMismatch, match=re.escape(
             f"checkpoint.resume={step_2} is another experiment's: {step_2}: the training data state")):
         run(tmp_path / "new", f"checkpoint.resume={step_2}", "data.seq_len=32")
+
+
+def signal_during_step_call(monkeypatch, n: int, signum: signal.Signals) -> None:
+    """The process receives `signum` during the n-th optimizer step of the next run."""
+    original, calls = Trainer.train_step, itertools.count(1)
+
+    def train_step(self, batches):
+        if next(calls) == n:
+            os.kill(os.getpid(), signum)
+        return original(self, batches)
+
+    monkeypatch.setattr(Trainer, "train_step", train_step)
+
+
+def test_sigterm_finishes_the_step_saves_and_the_resume_matches_the_uninterrupted_run(
+        tmp_path, monkeypatch, uninterrupted, capsys):
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    with monkeypatch.context() as patch:
+        signal_during_step_call(patch, 3, signal.SIGTERM)
+        stopped = run(tmp_path)
+    assert (stopped.stopped_by, stopped.final_step, sorted(stopped.losses)) == ("SIGTERM", 3, [1, 2, 3])
+    assert {s: signal.getsignal(s) for s in handlers} == handlers
+    step_3 = tmp_path / "checkpoints" / "step_3"
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"stopped at step 3 by SIGTERM; checkpoint {step_3}; resume with the same command")
+    final = run(tmp_path)
+    assert final.stopped_by is None
+    assert final.losses == {s: uninterrupted[s] for s in range(4, STEPS + 1)}
+
+
+def test_ctrl_c_saves_only_when_the_last_checkpoint_is_older_than_the_budget(tmp_path, monkeypatch, capsys):
+    with monkeypatch.context() as patch:
+        signal_during_step_call(patch, 3, signal.SIGINT)  # step 2 saved: one step old, under 2
+        stopped = run(tmp_path, "checkpoint.every=2", "checkpoint.stop_save_after=2")
+    assert (stopped.stopped_by, stopped.final_step) == ("SIGINT", 3)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2"]
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"stopped at step 3 by SIGINT; checkpoint {tmp_path / 'checkpoints' / 'step_2'}; resume with the "
+        "same command")
+    with monkeypatch.context() as patch:
+        signal_during_step_call(patch, 1, signal.SIGINT)
+        stopped = run(tmp_path / "never", "checkpoint.stop_save_after=0")
+    assert stopped.final_step == 1 and not (tmp_path / "never" / "checkpoints").exists()
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "stopped at step 1 by SIGINT; no checkpoint; start again with the same command")

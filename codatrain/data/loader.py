@@ -27,7 +27,14 @@ import torch
 
 from codatrain.config import DataConfig, DataFormat, DataSource, OnBadData
 from codatrain.data.order import ORDER_VERSION, WindowOrder
-from codatrain.data.packing import Batch, PackedWindows, SyntheticWindows, Window, collate
+from codatrain.data.packing import (
+    Batch,
+    PackedWindows,
+    SyntheticWindows,
+    Window,
+    collate,
+    ignore_stop_signals,
+)
 from codatrain.data.sft import SFTWindows, build_sft_datasets
 from codatrain.data.sources import Source, embedded_source, files_source, hub_source
 from codatrain.data.streaming import BoundedValidation, StreamLoader, StreamWindows
@@ -125,6 +132,7 @@ class PackedLoader:
         loader = torch.utils.data.DataLoader(
             dataset, batch_sampler=self._index_batches(position), collate_fn=collate,
             num_workers=self.num_workers, pin_memory=self.device.type == "cuda",
+            worker_init_fn=ignore_stop_signals,
         )
         for batch in loader:
             if generation != self._generation:

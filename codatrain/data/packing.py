@@ -7,6 +7,7 @@ token after the first is a target exactly once; the stream's last (N - 1) mod L 
 
 from __future__ import annotations
 
+import signal
 from typing import NamedTuple
 
 import numpy as np
@@ -101,3 +102,11 @@ def collate(windows: list[Window]) -> Batch:
         targets[~torch.from_numpy(np.stack(counts))] = IGNORE_INDEX
     return Batch(tokens[:, :-1].contiguous(), targets, doc_ids)
 
+
+
+def ignore_stop_signals(worker_id: int) -> None:
+    """A DataLoader worker's `worker_init_fn`: Ctrl-C and SIGTERM reach every process of the job, and
+    a worker they killed would fail the main process wherever it is; the main process stops at a
+    step boundary and ends its workers itself (and they exit if it dies)."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from datasets.distributed import split_dataset_by_node
 
-from codatrain.data.packing import Batch, PackedWindows, Window, collate
+from codatrain.data.packing import Batch, PackedWindows, Window, collate, ignore_stop_signals
 from codatrain.data.sources import Source, held_out_by_content, stream_texts
 from codatrain.data.token_shards import TokenShards, frame_document
 from codatrain.data.tokenizer import load_tokenizer
@@ -176,7 +176,8 @@ class StreamLoader:
         self.dataset.start_batches, self.dataset.start_states = self.batches, list(self.states)
         loader = torch.utils.data.DataLoader(self.dataset, batch_size=None, collate_fn=_as_is,
                                              num_workers=self.num_workers,
-                                             pin_memory=self.device.type == "cuda")
+                                             pin_memory=self.device.type == "cuda",
+                                             worker_init_fn=ignore_stop_signals)
         for batch, reader, state in loader:
             if generation != self._generation:
                 raise RuntimeError(f"the {self.name} loader's state was loaded during iteration; "

@@ -56,6 +56,7 @@ class Checkpointer:
         # Checkpoints whose checksums rank 0 has checked or written in this process: pruning counts
         # only verified ones and reads each at most once.
         self.verified: set[Path] = set()
+        self.last_saved: tuple[int, Path] | None = None  # (step, directory) resumed from or saved last
 
     # ---- restore ------------------------------------------------------------------------------
     def restore(self) -> int:
@@ -109,8 +110,10 @@ class Checkpointer:
 
     def load(self, path: Path) -> int:
         """Load everything from a checkpoint directory; returns its step."""
-        return load_checkpoint(path, self.model_cfg, self.model, self.optimizer, self.scheduler, self.loaders,
+        step = load_checkpoint(path, self.model_cfg, self.model, self.optimizer, self.scheduler, self.loaders,
                                self.mapping, self.log)
+        self.last_saved = (step, path)
+        return step
 
     # ---- save ---------------------------------------------------------------------------------
     def after_step(self, step: int, total_steps: int) -> None:
@@ -120,6 +123,14 @@ class Checkpointer:
             self.save(step)
         if self.cfg.save_hf_every > 0 and (step % self.cfg.save_hf_every == 0 or final):
             self.export_hf(step)
+
+    def on_stop(self, step: int) -> Path | None:
+        """The checkpoint a run stopped by a signal after `step` leaves: a new one when the last is
+        `checkpoint.stop_save_after` or more steps old, else the last one (None: there is none)."""
+        due = self.cfg.stop_save_after > 0
+        if due and (self.last_saved is None or step - self.last_saved[0] >= self.cfg.stop_save_after):
+            self.save(step)
+        return None if self.last_saved is None else self.last_saved[1]
 
     def save(self, step: int) -> Path:
         """Write `<run_dir>/checkpoints/step_<step>` atomically; keep the newest `keep_last`.
@@ -145,6 +156,7 @@ class Checkpointer:
                 f"saving {final} failed ({message}); removed the partial {tmp.name}, earlier checkpoints "
                 "are kept"
             ) from error
+        self.last_saved = (step, final)
         if process_rank() == 0:
             self.verified.add(final)  # its checksums were computed from the bytes written
             self._prune(keep=final)
