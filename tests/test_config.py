@@ -1,4 +1,5 @@
 import dataclasses
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -159,3 +160,41 @@ def test_run_header_prints_the_recipe(tmp_path, capsys):
     header = capsys.readouterr().out.splitlines()[1]
     assert header == ("recipe: AdamW lr 0.001, 20 warmup steps, cosine to 0.1× | weight decay 0.1 | "
                       "betas (0.9, 0.95) | grad clip off")
+
+
+# ---- docs/config.md and --help -------------------------------------------------------------------
+def config_reference():
+    sys.path.insert(0, str(REPO / "scripts"))
+    import config_reference
+
+    return config_reference
+
+
+def test_the_config_reference_page_is_what_the_schema_gives():
+    page = (REPO / "docs" / "config.md").read_text()
+    assert page == config_reference().reference_page(), (
+        "docs/config.md and the schema disagree: run python scripts/config_reference.py")
+    run = OmegaConf.to_container(load_config([]), resolve=False)
+    keys = [f"{group}.{key}" for group, node in run.items() if group != "logger" for key in node]
+    keys += [f"logger.wandb.{key}" for key in run["logger"]["wandb"]]
+    assert all(f"| `{key}` |" in page for key in keys)
+
+
+def test_a_key_without_its_line_stops_the_reference(tmp_path):
+    module = tmp_path / "node.py"
+    module.write_text("import dataclasses\n\n\n@dataclasses.dataclass\nclass Node:\n"
+                      "    said: int = 1  # what it sets\n    unsaid: int = 2\n")
+    sys.path.insert(0, str(tmp_path))
+    import node
+
+    reference = config_reference()
+    with pytest.raises(SystemExit, match="error: x.unsaid has no comment in the schema's source"):
+        reference.rows(node.Node, "x", reference.field_comments(node.Node))
+
+
+def test_help_lists_the_group_choices_without_the_schema_nodes():
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), "--help"], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+    assert "block: coda, eager, liger\n" in proc.stdout and "optim: adamw, wsd\n" in proc.stdout
+    assert "schema" not in proc.stdout
