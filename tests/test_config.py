@@ -1,5 +1,7 @@
 import dataclasses
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -198,3 +200,27 @@ def test_help_lists_the_group_choices_without_the_schema_nodes():
     assert proc.returncode == 0, proc.stderr
     assert "block: coda, eager, liger\n" in proc.stdout and "optim: adamw, wsd\n" in proc.stdout
     assert "schema" not in proc.stdout
+
+
+def readme_train_commands() -> list[tuple[int, list[str]]]:
+    """(processes, overrides) of every scripts/train.py command in the README's bash blocks."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line.split("&&")[-1], comments=True)
+            if "scripts/train.py" in words:
+                nproc = next((int(w.split("=")[1]) for w in words if w.startswith("--nproc_per_node=")), 1)
+                commands.append((nproc, words[words.index("scripts/train.py") + 1:]))
+    return commands
+
+
+def test_every_readme_training_command_has_a_batch_its_micro_batches_divide():
+    """The model=hf examples on 8 GPUs once asked for micro-steps of 16 × 8192 × 8 tokens, more than the
+    recipe's 262,144-token step."""
+    commands = readme_train_commands()
+    assert sum("model=hf" in overrides for _, overrides in commands) == 3
+    for nproc, overrides in commands:
+        run = validate(load_config(overrides))
+        micro_step = run.train.micro_batch_size * run.data.seq_len * nproc
+        step = run.train.tokens_per_step or micro_step
+        assert step % micro_step == 0, (overrides, step, micro_step)
