@@ -252,3 +252,16 @@ def test_ctrl_c_saves_only_when_the_last_checkpoint_is_older_than_the_budget(tmp
     assert stopped.final_step == 1 and not (tmp_path / "never" / "checkpoints").exists()
     assert capsys.readouterr().out.splitlines()[-1] == (
         "stopped at step 1 by SIGINT; no checkpoint; start again with the same command")
+
+
+def test_a_stop_before_the_first_step_saves_nothing(tmp_path, monkeypatch):
+    original = Trainer.log_header
+
+    def log_header(self):  # the last thing before the loop
+        original(self)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(Trainer, "log_header", log_header)
+    stopped = run(tmp_path)
+    assert (stopped.stopped_by, stopped.final_step) == ("SIGTERM", 0)
+    assert not (tmp_path / "checkpoints").exists()

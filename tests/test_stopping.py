@@ -7,12 +7,13 @@ import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from conftest import REPO
 
 from codatrain.train.logger import read_losses
 
+REPO = Path(__file__).resolve().parent.parent
 STEPS = 40
 RUN = ["data=synthetic", "data.num_workers=1", "data.seq_len=64", "train.micro_batch_size=8",
        f"train.steps={STEPS}", "train.log_every=1", "train.val_every=10", "train.progress=false",

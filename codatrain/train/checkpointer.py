@@ -125,10 +125,10 @@ class Checkpointer:
             self.export_hf(step)
 
     def on_stop(self, step: int) -> Path | None:
-        """The checkpoint a run stopped by a signal after `step` leaves: a new one when the last is
-        `checkpoint.stop_save_after` or more steps old, else the last one (None: there is none)."""
-        due = self.cfg.stop_save_after > 0
-        if due and (self.last_saved is None or step - self.last_saved[0] >= self.cfg.stop_save_after):
+        """The checkpoint a run stopped by a signal after `step` leaves: a new one when the last (or
+        the start) is `checkpoint.stop_save_after` or more steps old, else the last one (None: none)."""
+        last_step = self.last_saved[0] if self.last_saved else 0
+        if self.cfg.stop_save_after > 0 and step - last_step >= self.cfg.stop_save_after:
             self.save(step)
         return None if self.last_saved is None else self.last_saved[1]
 
