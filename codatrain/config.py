@@ -110,9 +110,9 @@ ModelConfig = _model_schema()
 
 @dataclass
 class BlockConfig:
-    impl: BlockImpl = BlockImpl.eager
+    impl: BlockImpl = BlockImpl.eager  # the block implementation (one checkpoint format for all)
     backend: StageBackendChoice = StageBackendChoice.auto  # the CODA stages' backend
-    attention: AttentionChoice = AttentionChoice.auto
+    attention: AttentionChoice = AttentionChoice.auto  # the CODA block's attention (auto: FA4 on sm_90)
 
     def __post_init__(self) -> None:
         if self.impl != BlockImpl.coda:
@@ -129,35 +129,35 @@ class OptimConfig:
     """AdamW and its schedule. Each model config (configs/model/<preset>.yaml) sets these keys to
     its training recipe; the defaults here serve a model config that has none."""
 
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    schedule: Schedule = Schedule.cosine
-    warmup_steps: int = 20
+    lr: float = 3e-3  # peak learning rate
+    min_lr_ratio: float = 0.1  # the schedule's final learning rate, as a share of lr
+    weight_decay: float = 0.1  # AdamW's decoupled weight decay
+    beta1: float = 0.9  # AdamW's first-moment decay
+    beta2: float = 0.95  # AdamW's second-moment decay
+    eps: float = 1e-8  # AdamW's epsilon
+    schedule: Schedule = Schedule.cosine  # after the warmup: cosine decay, warmup-stable-decay or constant
+    warmup_steps: int = 20  # linear warmup from 0 to lr, in optimizer steps
     decay_fraction: float = 0.2  # wsd: share of steps spent in the final decay
-    grad_clip: float = 1.0  # <= 0 disables clipping
+    grad_clip: float = 1.0  # the gradient norm is clipped to this; <= 0 disables clipping
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 300
+    steps: int = 300  # optimizer steps to train (the schedule's length)
     # Global batch in tokens; gradient accumulation is derived from it. null: one micro-batch per
     # process (micro_batch_size × data.seq_len × processes), no accumulation.
     tokens_per_step: int | None = None
     micro_batch_size: int = 16  # sequences per process per micro-step
-    seed: int = 1337
-    device: DeviceChoice = DeviceChoice.auto
+    seed: int = 1337  # weight init, data order and every random draw
+    device: DeviceChoice = DeviceChoice.auto  # auto: cuda when a GPU is visible, else cpu
     compile: bool = False  # torch.compile each block
-    activation_checkpointing: bool = False
-    log_every: int = 10
-    val_every: int = 100  # <= 0 disables validation
-    val_batches: int = 4
-    progress: bool = True
-    run_dir: str = "runs/${model.preset}-${block.impl}"
-    skip_nonfinite_steps: int = 0
+    activation_checkpointing: bool = False  # recompute every block but the last in the backward
+    log_every: int = 10  # steps between metrics records (console, train.log, metrics.jsonl, wandb)
+    val_every: int = 100  # steps between evaluations (and after the last); <= 0 disables validation
+    val_batches: int = 4  # micro-batches per evaluation, counted over all processes
+    progress: bool = True  # a live progress bar when the console is a terminal
+    run_dir: str = "runs/${model.preset}-${block.impl}"  # log, metrics, checkpoints; one per experiment
+    skip_nonfinite_steps: int = 0  # steps with a non-finite loss or grad norm skipped before the run stops
     profile_steps: int = 0  # >0: torch.profiler over this many steps, summary in <run_dir>/profile/
     profile_skip: int = 5  # steps before profiling starts (one more is the profiler's warm-up)
 
@@ -175,7 +175,7 @@ class CheckpointConfig:
     """Training checkpoints in <run_dir>/checkpoints/step_<n>/ (codatrain/train/checkpoint.py)."""
 
     every: int = 0  # save every N steps (0: only at the end when `at_end`)
-    at_end: bool = True
+    at_end: bool = True  # save after the last step
     keep_last: int = 3  # complete checkpoints kept, newest first; <= 0 keeps all
     # auto: continue from the newest complete checkpoint of the run dir, if any (broken ones are
     # skipped with a warning); none: start fresh (an error if the run dir has checkpoints);
@@ -186,9 +186,12 @@ class CheckpointConfig:
     # takes precedence.
     init_from: str | None = None
     save_hf_every: int = 0  # also write <run_dir>/hf/step_<n>/ every N steps and at the end (0: never)
+    # Ctrl-C or SIGTERM stops the run after the step in flight; it saves there when the last checkpoint
+    # is at least this many steps old (1: whenever it is not of this step; 0: never).
+    stop_save_after: int = 1
 
     def __post_init__(self) -> None:
-        require_not_negative(self, "checkpoint", "every", "save_hf_every")
+        require_not_negative(self, "checkpoint", "every", "save_hf_every", "stop_save_after")
 
 
 @dataclass
@@ -205,10 +208,10 @@ class KernelsConfig:
 
 @dataclass
 class WandbConfig:
-    mode: WandbMode = WandbMode.disabled
-    project: str = "codatrain"
-    entity: str | None = None
-    name: str | None = None
+    mode: WandbMode = WandbMode.disabled  # wandb records the run's metrics and resolved config
+    project: str = "codatrain"  # wandb project
+    entity: str | None = None  # wandb team or user; null: wandb's default
+    name: str | None = None  # wandb run name; null: one wandb makes up
 
 
 @dataclass
@@ -229,13 +232,9 @@ class RunConfig:
 
 
 def register_configs() -> None:
-    store = ConfigStore.instance()
-    store.store(name="run_schema", node=RunConfig)
-    for group, node in [
-        ("model", ModelConfig), ("block", BlockConfig), ("data", DataConfig),
-        ("optim", OptimConfig), ("logger", LoggerConfig),
-    ]:
-        store.store(group=group, name=f"{group}_schema", node=node)
+    """The schema as the base of configs/train.yaml: RunConfig types every group's node, so the
+    group files need no schema of their own (which `--help` would list as a choice)."""
+    ConfigStore.instance().store(name="run_schema", node=RunConfig)
 
 
 def validate(cfg: DictConfig) -> RunConfig:

@@ -6,6 +6,7 @@
 Any config key can be overridden on the command line; see configs/train.yaml.
 """
 
+import signal
 import sys
 
 import hydra
@@ -23,12 +24,16 @@ register_configs()
 @hydra.main(version_base=None, config_path="../configs", config_name="train")
 def main(cfg: DictConfig) -> None:
     try:
-        train(cfg)
+        result = train(cfg)
     except (ValueError, FileNotFoundError, BackendUnavailableError, CheckpointError, NonFiniteError,
             RunDirError) as error:
         # Bad input, an unusable run dir, a failed save or a diverged run: one clear line, not a
         # traceback (checkpoints stay intact).
         sys.exit(f"error: {error}")
+    except KeyboardInterrupt:  # Ctrl-C before the training loop, which handles it itself
+        sys.exit("interrupted before training started")
+    if result.stopped_by:  # its line is logged; the shell's status of a run that a signal ended
+        sys.exit(128 + signal.Signals[result.stopped_by])
 
 
 def run_dir_argument(argv: list[str]) -> str | None:

@@ -2,6 +2,9 @@
 1, non-finite losses, HF exports during training and init_from finetuning."""
 
 import itertools
+import os
+import re
+import signal
 
 import pytest
 import torch
@@ -9,7 +12,7 @@ import torch
 from codatrain.config import load_config, validate
 from codatrain.model import Llama
 from codatrain.model.hf import HFCheckpoint
-from codatrain.train.checkpoint import inspect_checkpoint
+from codatrain.train.checkpoint import CheckpointMismatch, inspect_checkpoint
 from codatrain.train.distributed import init_distributed
 from codatrain.train.hf_io import export_checkpoint_to_hf
 from codatrain.train.logger import read_losses, read_records
@@ -183,3 +186,82 @@ def test_tied_llama3_coda_model_under_fsdp2_resumes_on_one_eager_process(tmp_pat
     assert sorted(one.losses) == list(range(5, STEPS + 1))
     for step, loss in one.losses.items():
         assert loss == pytest.approx(two[step], rel=1e-4), step
+
+
+def test_a_run_dir_that_holds_another_experiment_says_so_and_how_to_go_on(tmp_path):
+    """Two experiments with the default run dir of their preset: the second is told that the folder
+    is another experiment's, why, and how to start its own or resume that one."""
+    run(tmp_path, "train.steps=2")
+    way_out = ("Start this one in a directory of its own (train.run_dir=<a new directory>), or resume that "
+               "one with the settings it was started with")
+    step_2 = tmp_path / "checkpoints" / "step_2"
+    with pytest.raises(CheckpointMismatch, match=re.escape(
+            f"train.run_dir={tmp_path} holds another experiment: {step_2}: the training data state was saved "
+            "with seq_len=64, but this run has seq_len=32: the data or its order changed, so it cannot "
+            f"continue exactly. {way_out}")):
+        run(tmp_path, "data.seq_len=32")
+    with pytest.raises(CheckpointMismatch, match=re.escape(
+            f"train.run_dir={tmp_path} holds another experiment: checkpoint {step_2} holds a different model "
+            f"(n_layers: 4 there, 1 here); to match it, set model.n_layers=4. {way_out}")):
+        run(tmp_path, "model.n_layers=1")
+    with pytest.raises(CheckpointMismatch, match=re.escape(
+            f"checkpoint.resume={step_2} is another experiment's: {step_2}: the training data state")):
+        run(tmp_path / "new", f"checkpoint.resume={step_2}", "data.seq_len=32")
+
+
+def signal_during_step_call(monkeypatch, n: int, signum: signal.Signals) -> None:
+    """The process receives `signum` during the n-th optimizer step of the next run."""
+    original, calls = Trainer.train_step, itertools.count(1)
+
+    def train_step(self, batches):
+        if next(calls) == n:
+            os.kill(os.getpid(), signum)
+        return original(self, batches)
+
+    monkeypatch.setattr(Trainer, "train_step", train_step)
+
+
+def test_sigterm_finishes_the_step_saves_and_the_resume_matches_the_uninterrupted_run(
+        tmp_path, monkeypatch, uninterrupted, capsys):
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    with monkeypatch.context() as patch:
+        signal_during_step_call(patch, 3, signal.SIGTERM)
+        stopped = run(tmp_path)
+    assert (stopped.stopped_by, stopped.final_step, sorted(stopped.losses)) == ("SIGTERM", 3, [1, 2, 3])
+    assert {s: signal.getsignal(s) for s in handlers} == handlers
+    step_3 = tmp_path / "checkpoints" / "step_3"
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"stopped at step 3 by SIGTERM; checkpoint {step_3}; resume with the same command")
+    final = run(tmp_path)
+    assert final.stopped_by is None
+    assert final.losses == {s: uninterrupted[s] for s in range(4, STEPS + 1)}
+
+
+def test_ctrl_c_saves_only_when_the_last_checkpoint_is_older_than_the_budget(tmp_path, monkeypatch, capsys):
+    with monkeypatch.context() as patch:
+        signal_during_step_call(patch, 3, signal.SIGINT)  # step 2 saved: one step old, under 2
+        stopped = run(tmp_path, "checkpoint.every=2", "checkpoint.stop_save_after=2")
+    assert (stopped.stopped_by, stopped.final_step) == ("SIGINT", 3)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2"]
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"stopped at step 3 by SIGINT; checkpoint {tmp_path / 'checkpoints' / 'step_2'}; resume with the "
+        "same command")
+    with monkeypatch.context() as patch:
+        signal_during_step_call(patch, 1, signal.SIGINT)
+        stopped = run(tmp_path / "never", "checkpoint.stop_save_after=0")
+    assert stopped.final_step == 1 and not (tmp_path / "never" / "checkpoints").exists()
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "stopped at step 1 by SIGINT; no checkpoint; start again with the same command")
+
+
+def test_a_stop_before_the_first_step_saves_nothing(tmp_path, monkeypatch):
+    original = Trainer.log_header
+
+    def log_header(self):  # the last thing before the loop
+        original(self)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(Trainer, "log_header", log_header)
+    stopped = run(tmp_path)
+    assert (stopped.stopped_by, stopped.final_step) == ("SIGTERM", 0)
+    assert not (tmp_path / "checkpoints").exists()

@@ -1,4 +1,7 @@
 import dataclasses
+import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -159,3 +162,65 @@ def test_run_header_prints_the_recipe(tmp_path, capsys):
     header = capsys.readouterr().out.splitlines()[1]
     assert header == ("recipe: AdamW lr 0.001, 20 warmup steps, cosine to 0.1× | weight decay 0.1 | "
                       "betas (0.9, 0.95) | grad clip off")
+
+
+# ---- docs/config.md and --help -------------------------------------------------------------------
+def config_reference():
+    sys.path.insert(0, str(REPO / "scripts"))
+    import config_reference
+
+    return config_reference
+
+
+def test_the_config_reference_page_is_what_the_schema_gives():
+    page = (REPO / "docs" / "config.md").read_text()
+    assert page == config_reference().reference_page(), (
+        "docs/config.md and the schema disagree: run python scripts/config_reference.py")
+    run = OmegaConf.to_container(load_config([]), resolve=False)
+    keys = [f"{group}.{key}" for group, node in run.items() if group != "logger" for key in node]
+    keys += [f"logger.wandb.{key}" for key in run["logger"]["wandb"]]
+    assert all(f"| `{key}` |" in page for key in keys)
+
+
+def test_a_key_without_its_line_stops_the_reference(tmp_path):
+    module = tmp_path / "node.py"
+    module.write_text("import dataclasses\n\n\n@dataclasses.dataclass\nclass Node:\n"
+                      "    said: int = 1  # what it sets\n    unsaid: int = 2\n")
+    sys.path.insert(0, str(tmp_path))
+    import node
+
+    reference = config_reference()
+    with pytest.raises(SystemExit, match="error: x.unsaid has no comment in the schema's source"):
+        reference.rows(node.Node, "x", reference.field_comments(node.Node))
+
+
+def test_help_lists_the_group_choices_without_the_schema_nodes():
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), "--help"], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+    assert "block: coda, eager, liger\n" in proc.stdout and "optim: adamw, wsd\n" in proc.stdout
+    assert "schema" not in proc.stdout
+
+
+def readme_train_commands() -> list[tuple[int, list[str]]]:
+    """(processes, overrides) of every scripts/train.py command in the README's bash blocks."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line.split("&&")[-1], comments=True)
+            if "scripts/train.py" in words:
+                nproc = next((int(w.split("=")[1]) for w in words if w.startswith("--nproc_per_node=")), 1)
+                commands.append((nproc, words[words.index("scripts/train.py") + 1:]))
+    return commands
+
+
+def test_every_readme_training_command_has_a_batch_its_micro_batches_divide():
+    """The model=hf examples on 8 GPUs once asked for micro-steps of 16 × 8192 × 8 tokens, more than the
+    recipe's 262,144-token step."""
+    commands = readme_train_commands()
+    assert sum("model=hf" in overrides for _, overrides in commands) == 3
+    for nproc, overrides in commands:
+        run = validate(load_config(overrides))
+        micro_step = run.train.micro_batch_size * run.data.seq_len * nproc
+        step = run.train.tokens_per_step or micro_step
+        assert step % micro_step == 0, (overrides, step, micro_step)

@@ -1,5 +1,6 @@
 """Order, sharding and exact resume of PackedLoader, on a dataset whose window i is all i's."""
 
+import re
 import tracemalloc
 from itertools import islice
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from codatrain.data.loader import PackedLoader
+from codatrain.kernels.stages import IGNORE_INDEX
 
 
 class IndexWindows(torch.utils.data.Dataset):
@@ -147,10 +149,26 @@ def test_loading_state_while_iterating_is_an_error():
 
 def test_validation_loader_makes_the_same_finite_pass_each_time():
     val = make(21, batch_size=2, rank=1, world_size=2, repeat=False, shuffle=False)
-    assert len(val) == 5
+    assert len(val) == 6  # 5 full global batches and window 20 with filler
     first, second = take(val, 100), take(val, 100)
-    assert first == second and len(first) == 5
+    assert first == second and len(first) == 6
     assert first[0] == [2, 3] and first[1] == [6, 7]  # rank 1's slice of each unshuffled step
+
+
+def test_validation_smaller_than_a_global_batch_is_read_whole_and_padded_without_targets():
+    # 3 windows, 2 per rank x 2 ranks: rank 0 reads windows 0 and 1, rank 1 window 2 and one filler.
+    ranks = [list(make(3, batch_size=2, rank=r, world_size=2, repeat=False, shuffle=False)) for r in (0, 1)]
+    assert [len(batches) for batches in ranks] == [1, 1]
+    (first,), (second,) = ranks
+    assert first.inputs[:, 0].tolist() == [0, 1] and (first.targets != IGNORE_INDEX).all()
+    assert second.inputs[:, 0].tolist() == [2, 0]
+    assert (second.targets[0] == 2).all() and (second.targets[1] == IGNORE_INDEX).all()
+    counted = sum(int((b.targets != IGNORE_INDEX).sum()) for b in (first, second))
+    assert counted == 3 * IndexWindows.seq_len
+    with pytest.raises(ValueError, match=re.escape(
+            "the validation data has no sequence of seq_len+1 tokens; use more data")):
+        PackedLoader(IndexWindows(0), name="validation", vocab_size=1, batch_size=2, rank=0, world_size=1,
+                     seed=0, device=torch.device("cpu"), shuffle=False, repeat=False, num_workers=0)
 
 
 def test_too_little_data_for_one_batch_is_an_error():

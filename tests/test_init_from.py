@@ -122,13 +122,13 @@ def test_a_checkpoint_keeps_its_tokenizer_for_init_from_and_generate(tmp_path, c
     sft = ["model=hf", f"checkpoint.init_from={checkpoint}", "data=sft",
            f"data.path={tmp_path / 'sft.jsonl'}", "data.val_fraction=0"]
     run = trainer(tmp_path / "sft", *sft)
-    assert run.tokenizer_line == (f"tokenizer: {checkpoint / 'tokenizer'} (the one checkpoint.init_from="
-                                  f"{checkpoint} was trained with)")
+    assert run.plan.tokenizer_line == (f"tokenizer: {checkpoint / 'tokenizer'} (the one checkpoint.init_from="
+                                       f"{checkpoint} was trained with)")
     assert "the tokenizer's chat template" in run.train_data.report
     run.close()
     run = trainer(tmp_path / "sft-bytes", *sft, "data.tokenizer=byte", "data.seq_len=128")
-    assert run.tokenizer_line == (f"tokenizer: byte (data.tokenizer), not {checkpoint / 'tokenizer'}, which "
-                                  f"checkpoint.init_from={checkpoint} was trained with")
+    assert run.plan.tokenizer_line == (f"tokenizer: byte (data.tokenizer), not {checkpoint / 'tokenizer'}, "
+                                       f"which checkpoint.init_from={checkpoint} was trained with")
     run.close()
 
     capsys.readouterr()

@@ -12,6 +12,7 @@ from test_coda import CONFIGS, assert_close_to, batch, canonical_grads, model_pa
 
 from codatrain.config import load_config, validate
 from codatrain.data import Batch
+from codatrain.data.packing import collate
 from codatrain.model.llama import IGNORE_INDEX
 from codatrain.train.distributed import init_distributed
 from codatrain.train.logger import read_losses
@@ -165,3 +166,23 @@ def test_accumulation_and_processes_do_not_change_the_losses(tmp_path, run_torch
     for step, loss in one_big.items():
         assert accumulated[step] == pytest.approx(loss, rel=1e-5), step
         assert two_processes[step] == pytest.approx(loss, rel=1e-5), step
+
+
+def test_validation_smaller_than_one_batch_is_evaluated_per_target_token(tmp_path):
+    """A held-out set of fewer windows than a micro-batch is read whole: the loss per target token of
+    the windows there are, the filler of the partial batch adding nothing."""
+    data = write_uneven_examples(tmp_path / "examples.jsonl")
+    run = validate(load_config([
+        "data=sft", f"data.path={data}", "data.seq_len=64", "data.val_fraction=0.1",
+        "data.num_workers=0", "train.micro_batch_size=8", "train.progress=false",
+        f"train.run_dir={tmp_path / 'run'}",
+    ]))
+    t = Trainer(run, init_distributed("cpu"))
+    windows = t.val_data.dataset
+    assert 0 < len(windows) < 8
+    whole = collate([windows[i] for i in range(len(windows))])
+    with torch.no_grad():
+        expected = t.model(whole.inputs, whole.targets, doc_ids=whole.doc_ids, reduction="sum").item()
+    expected /= (whole.targets != IGNORE_INDEX).sum().item()
+    assert t.evaluate() == pytest.approx(expected, rel=1e-5)
+    t.close()

@@ -64,7 +64,7 @@ def require_not_negative(node: object, prefix: str, *names: str) -> None:
 class DataConfig:
     """Where the tokens come from and how they are cut; codatrain.data.build_loaders reads it."""
 
-    source: DataSource = DataSource.embedded
+    source: DataSource = DataSource.embedded  # where the documents come from (README: Data)
     path: str | None = None  # files: a file, a folder or a glob; hub: the dataset name; tokens: the directory
     name: str | None = None  # hub: dataset configuration name
     split: str = "train"  # hub: the training split
@@ -78,7 +78,7 @@ class DataConfig:
     # byte | a local HF tokenizer.json or tokenizer folder; null: the tokenizer checkpoint.init_from
     # was trained with (a checkpoint's record, an HF folder's own) where known, else byte
     tokenizer: str | None = None
-    seq_len: int = 128
+    seq_len: int = 128  # tokens per training sequence (windows of seq_len + 1 tokens)
     keep_document_boundaries: bool = False  # batches carry per-token document ids (Batch.doc_ids)
     val_fraction: float = 0.02  # held-out share of documents, when no val_path / val_split is given
     val_path: str | None = None  # a separate validation file, folder or glob (same formats as path)

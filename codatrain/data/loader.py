@@ -5,6 +5,8 @@ computed index by index (order.py), so the order takes no memory that grows with
 Every step consumes the next `batch_size · world_size` entries of it, rank r taking the r-th slice
 of `batch_size`: the ranks' batches are disjoint, together they cover the permutation, and an
 epoch ends when fewer than one global batch of windows is left (the leftover differs per epoch).
+Validation instead reads every window once, the last global batch partial: its missing rows are
+filler windows without targets, so every rank runs the same batches of the same shape.
 
 State. Where training stands is `Position(epoch, offset)`: the windows consumed by all ranks in the
 epoch so far. The main process advances it as batches are handed out, not when workers read them,
@@ -20,11 +22,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
+import numpy as np
 import torch
 
 from codatrain.data.config import DataConfig, DataFormat, DataSource, OnBadData
 from codatrain.data.order import ORDER_VERSION, WindowOrder
-from codatrain.data.packing import Batch, PackedWindows, SyntheticWindows, collate
+from codatrain.data.packing import (
+    Batch,
+    PackedWindows,
+    SyntheticWindows,
+    Window,
+    collate,
+)
 from codatrain.data.sft import SFTWindows, build_sft_datasets
 from codatrain.data.sources import SPLIT_VERSION, Source, embedded_source, files_source, hub_source
 from codatrain.data.streaming import BoundedValidation, StreamLoader, StreamWindows
@@ -43,12 +52,26 @@ class Position:
     offset: int  # windows of this epoch consumed by all ranks together
 
 
+class PaddedWindows(torch.utils.data.Dataset):
+    """The windows of `dataset`, then filler: an index at or past its end reads window 0 with no
+    target, so a partial last batch keeps its shape and adds nothing to the loss."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset) -> None:
+        self.dataset = dataset
+
+    def __getitem__(self, i: int) -> Window:
+        if i < len(self.dataset):
+            return self.dataset[i]
+        return Window(*self.dataset[0])._replace(target_mask=np.zeros(self.dataset.seq_len, dtype=bool))
+
+
 class PackedLoader:
     """Batches of one rank, as `Batch(inputs, targets, doc_ids)` on `device`.
 
     With `repeat` (training) iteration is endless, continues from the current position, and
     `state_dict()` records where it stands. Without (validation) every `iter()` makes one pass over
-    epoch 0 from its first batch, so each evaluation sees the same batches; its state is unused.
+    all windows of epoch 0 from its first batch, so each evaluation sees the same batches; the last
+    global batch may be partial (filled up with `PaddedWindows`' filler); its state is unused.
     `len()` is the number of batches per epoch.
     """
 
@@ -67,16 +90,19 @@ class PackedLoader:
         self.seed, self.device, self.shuffle, self.repeat = seed, device, shuffle, repeat
         self.num_workers = num_workers
         self.global_batch = batch_size * world_size
-        if len(dataset) < self.global_batch:
+        if len(dataset) < (self.global_batch if repeat else 1):
             raise ValueError(
                 f"the {name} data has {len(dataset)} sequences of seq_len+1 tokens, fewer than one global "
                 f"batch ({batch_size} per rank x {world_size} ranks); use more data or smaller batches"
+                if repeat else f"the {name} data has no sequence of seq_len+1 tokens; use more data"
             )
         self.position = Position(0, 0)
         self._generation = 0  # bumped by load_state_dict, which invalidates running iterators
 
     def __len__(self) -> int:
-        return len(self.dataset) // self.global_batch
+        if self.repeat:
+            return len(self.dataset) // self.global_batch
+        return -(-len(self.dataset) // self.global_batch)
 
     def order(self, epoch: int) -> WindowOrder:
         """The permutation of window indices that epoch `epoch` visits, computed per index (order.py)."""
@@ -85,7 +111,7 @@ class PackedLoader:
     def advance(self, position: Position) -> Position:
         """The position after one global batch from `position`."""
         offset = position.offset + self.global_batch
-        if offset + self.global_batch > len(self.dataset):
+        if offset + (self.global_batch if self.repeat else 1) > len(self.dataset):
             return Position(position.epoch + 1, 0)
         return Position(position.epoch, offset)
 
@@ -96,15 +122,18 @@ class PackedLoader:
             if position.epoch != epoch:
                 epoch, order = position.epoch, self.order(position.epoch)
             first = position.offset + self.rank * self.batch_size
-            yield order[first:first + self.batch_size].tolist()
+            indices = order[first:first + self.batch_size].tolist()
+            # Past the end (validation's last batch): PaddedWindows' filler.
+            yield indices + [len(self.dataset)] * (self.batch_size - len(indices))
             position = self.advance(position)
 
     def __iter__(self) -> Iterator[Batch]:
         generation = self._generation
         position = self.position if self.repeat else Position(0, 0)
         # The batch sampler runs in this process; workers only read and collate the windows it names.
+        dataset = self.dataset if self.repeat else PaddedWindows(self.dataset)
         loader = torch.utils.data.DataLoader(
-            self.dataset, batch_sampler=self._index_batches(position), collate_fn=collate,
+            dataset, batch_sampler=self._index_batches(position), collate_fn=collate,
             num_workers=self.num_workers, pin_memory=self.device.type == "cuda",
             worker_init_fn=worker_init_fn(),
         )

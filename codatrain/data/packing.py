@@ -95,7 +95,8 @@ def collate(windows: list[Window]) -> Batch:
     tokens = torch.from_numpy(np.stack([w.tokens for w in windows]))
     doc_ids = None if windows[0].doc_ids is None else torch.from_numpy(np.stack([w.doc_ids for w in windows]))
     targets = tokens[:, 1:].clone()
-    if windows[0].target_mask is not None:
-        targets[~torch.from_numpy(np.stack([w.target_mask for w in windows]))] = IGNORE_INDEX
+    if any(w.target_mask is not None for w in windows):  # a validation batch's filler has one
+        counts = [np.ones(targets.shape[1], dtype=bool) if w.target_mask is None else w.target_mask
+                  for w in windows]
+        targets[~torch.from_numpy(np.stack(counts))] = IGNORE_INDEX
     return Batch(tokens[:, :-1].contiguous(), targets, doc_ids)
-

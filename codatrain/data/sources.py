@@ -11,9 +11,11 @@ in `error` instead of stopping the stream, so the reader decides whether to skip
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,7 +62,8 @@ class Source:
                 raise ValueError(f"embedded corpus {EMBEDDED_PATH} is altered: sha256 {digest}, "
                                  f"expected {EMBEDDED_SHA256}")
         try:
-            ds = datasets.load_dataset(**self.load_args)
+            with _builder_errors_unlogged(self.load_args["path"]):
+                ds = datasets.load_dataset(**self.load_args)
         except datasets.exceptions.DatasetGenerationError as exc:
             raise self._unreadable(exc) from exc
         columns = ds.column_names  # None for a stream whose features are not declared
@@ -122,6 +125,25 @@ class Source:
     def _missing_column(self, columns: list[str]) -> ValueError:
         return ValueError(f"text column {self.text_column!r} is not in {self.location} "
                           f"(columns: {', '.join(columns)}); set data.text_column")
+
+
+class _DropErrors(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR
+
+
+@contextlib.contextmanager
+def _builder_errors_unlogged(builder: str) -> Iterator[None]:
+    """A `datasets` builder (json, parquet, ...) logs a file it cannot read at ERROR level before it
+    raises; the DataFileError made of that names the file and line in one line, so its log record
+    would only print the same problem twice more (datasets' handler and the root one)."""
+    logger = logging.getLogger(f"datasets.packaged_modules.{builder}.{builder}")
+    drop = _DropErrors()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 
 def embedded_source(max_documents: int | None, cache_dir: str | None) -> Source:

@@ -1,4 +1,8 @@
-"""DataLoader workers that die with the process that started them.
+"""DataLoader workers that die with the process that started them and leave stopping to it.
+
+Ctrl-C and SIGTERM reach every process of the job, and a worker they killed would fail the main
+process wherever it is: workers ignore both, and the main process stops at a step boundary and
+ends its workers itself (codatrain.train.stopping).
 
 A worker blocked on a full pipe to its dead parent never exits (its queue's feeder thread waits
 to flush at exit), and an orphaned worker holds what it inherited. On Linux every worker asks the
@@ -29,6 +33,14 @@ def _die_with_parent(parent: int, worker_id: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def worker_init_fn() -> Callable[[int], None] | None:
-    """The DataLoader `worker_init_fn` that ties its workers' lives to this process (Linux)."""
-    return functools.partial(_die_with_parent, os.getpid()) if sys.platform == "linux" else None
+def _init_worker(parent: int | None, worker_id: int) -> None:
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
+    if parent is not None:
+        _die_with_parent(parent, worker_id)
+
+
+def worker_init_fn() -> Callable[[int], None]:
+    """The DataLoader `worker_init_fn` of codatrain's loaders: stop signals ignored, and the
+    workers' lives tied to this process (Linux)."""
+    return functools.partial(_init_worker, os.getpid() if sys.platform == "linux" else None)

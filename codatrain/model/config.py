@@ -24,23 +24,23 @@ ARCHITECTURE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "v
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    ffn_dim: int
-    vocab_size: int
-    rope_theta: float = 500000.0
+    dim: int  # model width (hidden size)
+    n_layers: int  # transformer blocks
+    n_heads: int  # query heads; the head width is dim / n_heads
+    n_kv_heads: int  # key/value heads (grouped-query attention when fewer than n_heads)
+    ffn_dim: int  # SwiGLU hidden width
+    vocab_size: int  # rows of the embedding and the LM head; at least the tokenizer's ids
+    rope_theta: float = 500000.0  # RoPE base
     # RoPE scaling, as Hugging Face's rope_parameters (codatrain.kernels.stages.Rope).
     rope_type: RopeType = RopeType.default
-    rope_factor: float = 1.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_positions: int = 8192
-    norm_eps: float = 1e-5
+    rope_factor: float = 1.0  # linear, llama3: how much longer the context is than in pretraining
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original / this are scaled in full
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original / this are kept
+    rope_original_max_positions: int = 8192  # llama3: the context length of pretraining
+    norm_eps: float = 1e-5  # RMSNorm epsilon
     tie_embeddings: bool = False  # the LM head is the embedding matrix (one parameter)
-    max_seq_len: int = 8192
-    init_std: float = 0.02
+    max_seq_len: int = 8192  # longest sequence the model takes (data.seq_len, generation)
+    init_std: float = 0.02  # std of the normal weight init (output projections: / sqrt(2 n_layers))
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):

@@ -108,6 +108,10 @@ class CheckpointError(RuntimeError):
     """A checkpoint directory is missing, incomplete or corrupted, or does not fit this run."""
 
 
+class CheckpointMismatch(CheckpointError):
+    """A sound checkpoint that another experiment saved: its model or data differ from this run's."""
+
+
 def process_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -174,7 +178,7 @@ def _check_model_config(path: Path, manifest: Mapping[str, Any], model_cfg: Llam
     try:
         model_cfg.check_architecture(LlamaConfig(**manifest["model_config"]), f"checkpoint {path}")
     except ValueError as error:
-        raise CheckpointError(str(error)) from None
+        raise CheckpointMismatch(str(error)) from None
 
 
 # ---- files ---------------------------------------------------------------------------------------
@@ -412,7 +416,10 @@ def _load_rank_state(path: Path, saved_world_size: int, loaders: Mapping[str, St
             mine["rng"] = states[0]["rng"]
     for name, loader in loaders.items():
         if mine["loaders"].get(name) is not None:
-            loader.load_state_dict(mine["loaders"][name])
+            try:
+                loader.load_state_dict(mine["loaders"][name])
+            except ValueError as error:  # another corpus, seq_len, seed or order
+                raise CheckpointMismatch(f"{path}: {error}") from None
         elif saved_world_size == _world_size():
             log(f"warning: {path} has no state for the {name} data; it starts from its beginning")
     if mine["rng"] is not None:

@@ -22,6 +22,7 @@ from codatrain.train.checkpoint import (
     CHECKPOINTS_DIR,
     TMP_PREFIX,
     CheckpointError,
+    CheckpointMismatch,
     Log,
     Stateful,
     checkpoint_dirs,
@@ -56,6 +57,7 @@ class Checkpointer:
         # Checkpoints whose checksums rank 0 has checked or written in this process: pruning counts
         # only verified ones and reads each at most once.
         self.verified: set[Path] = set()
+        self.last_saved: tuple[int, Path] | None = None  # (step, directory) resumed from or saved last
 
     # ---- restore ------------------------------------------------------------------------------
     def restore(self) -> int:
@@ -66,7 +68,10 @@ class Checkpointer:
         if path is not None:
             if self.cfg.init_from:
                 self.log(f"checkpoint.init_from={self.cfg.init_from} ignored: resuming from {path}")
-            return self.load(Path(path))
+            try:
+                return self.load(Path(path))
+            except CheckpointMismatch as error:
+                raise CheckpointMismatch(self._mismatch_message(error)) from None
         if self.cfg.init_from:
             manifest = None
             if is_checkpoint(self.cfg.init_from):  # rank 0 checks it once, for every rank
@@ -95,6 +100,15 @@ class Checkpointer:
         self.verified.add(path)
         return str(path)
 
+    def _mismatch_message(self, error: CheckpointMismatch) -> str:
+        """What a run that cannot continue the checkpoint it would resume should do instead."""
+        if self.cfg.resume != "auto":
+            return (f"checkpoint.resume={self.cfg.resume} is another experiment's: {error}. Resume it with "
+                    "the settings it was started with, or leave checkpoint.resume unset")
+        return (f"train.run_dir={self.run_dir} holds another experiment: {error}. Start this one in a "
+                "directory of its own (train.run_dir=<a new directory>), or resume that one with the "
+                "settings it was started with")
+
     def load(self, path: Path) -> int:
         """Load everything from a checkpoint directory; returns its step. A checkpoint trained with
         another tokenizer than this run's is a CheckpointError: its data state and weights belong
@@ -106,8 +120,10 @@ class Checkpointer:
                 f"{self.tokenizer}: resume with the same data.tokenizer, or start a new run from its weights "
                 "(checkpoint.init_from) with another train.run_dir"
             )
-        return load_checkpoint(path, self.model_cfg, self.model, self.optimizer, self.scheduler, self.loaders,
+        step = load_checkpoint(path, self.model_cfg, self.model, self.optimizer, self.scheduler, self.loaders,
                                self.mapping, self.log)
+        self.last_saved = (step, path)
+        return step
 
     # ---- save ---------------------------------------------------------------------------------
     def after_step(self, step: int, total_steps: int) -> None:
@@ -117,6 +133,14 @@ class Checkpointer:
             self.save(step)
         if self.cfg.save_hf_every > 0 and (step % self.cfg.save_hf_every == 0 or final):
             self.export_hf(step)
+
+    def on_stop(self, step: int) -> Path | None:
+        """The checkpoint a run stopped by a signal after `step` leaves: a new one when the last (or
+        the start) is `checkpoint.stop_save_after` or more steps old, else the last one (None: none)."""
+        last_step = self.last_saved[0] if self.last_saved else 0
+        if self.cfg.stop_save_after > 0 and step - last_step >= self.cfg.stop_save_after:
+            self.save(step)
+        return None if self.last_saved is None else self.last_saved[1]
 
     def save(self, step: int) -> Path:
         """Write `<run_dir>/checkpoints/step_<step>` atomically; keep the newest `keep_last`.
@@ -142,6 +166,7 @@ class Checkpointer:
                 f"saving {final} failed ({message}); removed the partial {tmp.name}, earlier checkpoints "
                 "are kept"
             ) from error
+        self.last_saved = (step, final)
         if process_rank() == 0:
             self.verified.add(final)  # its checksums were computed from the bytes written
             self._prune(keep=final)

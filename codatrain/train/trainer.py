@@ -46,6 +46,7 @@ from codatrain.train.parallelize import (
 from codatrain.train.plan import build_run_plan
 from codatrain.train.profiling import StepProfiler
 from codatrain.train.run_lock import RunDirLock
+from codatrain.train.stopping import StopSignals
 
 
 class NonFiniteError(RuntimeError):
@@ -57,6 +58,7 @@ class TrainResult:
     losses: dict[int, float] = field(default_factory=dict)  # step (1-based) -> mean loss over ranks
     val_losses: dict[int, float] = field(default_factory=dict)
     final_step: int = 0
+    stopped_by: str | None = None  # "SIGTERM" or "SIGINT" when a signal stopped the run early
 
 
 @dataclass
@@ -191,6 +193,11 @@ class Trainer:
 
     # ---- the loop ------------------------------------------------------------------------------
     def fit(self) -> TrainResult:
+        """Train to `train.steps`, or stop at a step boundary on Ctrl-C or SIGTERM (stopping.py)."""
+        with StopSignals(self.dist.device) as stop:
+            return self._fit(stop)
+
+    def _fit(self, stop: StopSignals) -> TrainResult:
         tcfg, result = self.run.train, TrainResult()
         self.log_header()
         if self.dist.device.type == "cuda":
@@ -202,6 +209,9 @@ class Trainer:
         profiler = StepProfiler(self.run_dir, tcfg.profile_steps, tcfg.profile_skip, self.dist.rank,
                                 self.dist.device)
         while self.step < tcfg.steps:
+            result.stopped_by = stop.agreed()
+            if result.stopped_by:
+                break
             step_started = time.perf_counter()
             loss, grad_norm, data_time = self.train_step(batches)
             if not self.finite_or_skipped(loss, grad_norm):
@@ -224,6 +234,11 @@ class Trainer:
             self.checkpointer.after_step(self.step, tcfg.steps)
         profiler.stop()
         result.final_step = self.step
+        if result.stopped_by:
+            saved = self.checkpointer.on_stop(self.step)
+            then = f"checkpoint {saved}; resume with" if saved else "no checkpoint; start again with"
+            self.logger.info(f"stopped at step {self.step} by {result.stopped_by}; {then} the same command")
+            return result
         self.logger.info(self.summary(result, time.perf_counter() - run_started))
         return result
 
