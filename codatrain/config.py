@@ -57,6 +57,12 @@ class DeviceChoice(StrEnum):
     cuda = "cuda"
 
 
+class Float8Recipe(StrEnum):
+    none = "none"
+    tensorwise = "tensorwise"
+    rowwise = "rowwise"
+
+
 class OnStale(StrEnum):
     rebuild = "rebuild"
     fail = "fail"
@@ -151,6 +157,8 @@ class TrainConfig:
     seed: int = 1337  # weight init, data order and every random draw
     device: DeviceChoice = DeviceChoice.auto  # auto: cuda when a GPU is visible, else cpu
     compile: bool = False  # torch.compile each block
+    # block=eager: torchao's float8 training of the layer GEMMs (the benchmarks' FP8 peer; LM head in bf16)
+    float8: Float8Recipe = Float8Recipe.none
     activation_checkpointing: bool = False  # recompute every block but the last in the backward
     log_every: int = 10  # steps between metrics records (console, train.log, metrics.jsonl, wandb)
     val_every: int = 100  # steps between evaluations (and after the last); <= 0 disables validation

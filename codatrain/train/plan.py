@@ -18,6 +18,7 @@ from codatrain.data.config import DataConfig
 from codatrain.kernels.cache import KernelShapes
 from codatrain.kernels.resolve import ResolvedBlock, resolve_block
 from codatrain.model.config import LlamaConfig
+from codatrain.train.float8 import float8_problem
 from codatrain.train.hf_io import run_model_config, run_tokenizer
 
 
@@ -47,7 +48,7 @@ class RunPlan:
             f"{cfg.num_params() / 1e6:.1f}M params, {cfg.flops_per_token(self.data.seq_len) / 1e9:.3f} "
             f"GFLOP/token | {self.world_size} × {self.device} | seq {self.data.seq_len} × micro-batch "
             f"{run.train.micro_batch_size} × accum {self.grad_accum} = {self.tokens_per_step} tokens/step "
-            f"| {dtype}",
+            f"| {dtype}{'' if run.train.float8 == 'none' else f' + float8 {run.train.float8} (torchao)'}",
             f"recipe: AdamW lr {optim.lr:g}, {optim.warmup_steps} warmup steps, {optim.schedule} to "
             f"{optim.min_lr_ratio:g}× | weight decay {optim.weight_decay:g} | betas ({optim.beta1:g}, "
             f"{optim.beta2:g}) | grad clip {clip}",
@@ -65,7 +66,8 @@ def build_run_plan(run: RunConfig, device: torch.device | None, world_size: int 
     block = resolve_block(run.block.impl, run.block.backend, run.block.attention, device, model_cfg.head_dim)
     # Refused here, before anything compiles: a width the kernels cannot take would otherwise stop
     # the kernel build with a compiler error.
-    problem = block.unsupported_widths(model_cfg.dim, model_cfg.ffn_dim, model_cfg.head_dim)
+    problem = (block.unsupported_widths(model_cfg.dim, model_cfg.ffn_dim, model_cfg.head_dim)
+               or float8_problem(run.train.float8, block.impl, device))
     if problem:
         raise ValueError(problem)
     tcfg = run.train

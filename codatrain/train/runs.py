@@ -28,6 +28,9 @@ VARIANTS: dict[str, list[str]] = {
     "coda": ["block=coda"],
     "coda_compile": ["block=coda", "train.compile=true"],
     "coda_reference": ["block=coda", "block.backend=reference"],
+    # The FP8 peer: the eager model, torch.compile and torchao's float8 training (LM head in bf16).
+    "compile_fp8_tensorwise": ["block=eager", "train.compile=true", "train.float8=tensorwise"],
+    "compile_fp8_rowwise": ["block=eager", "train.compile=true", "train.float8=rowwise"],
     "liger": ["block=liger"],  # the eager model on liger-kernel's fused RMSNorm, SwiGLU, RoPE, head + loss
 }
 

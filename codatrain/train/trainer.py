@@ -26,6 +26,7 @@ from codatrain.train.distributed import (
     init_distributed,
     shutdown_distributed,
 )
+from codatrain.train.float8 import apply_float8
 from codatrain.train.kernel_cache import KernelCache
 from codatrain.train.logger import RunLogger, format_duration
 from codatrain.train.metrics import (
@@ -95,6 +96,8 @@ class Trainer:
         # model, and init is drawn per canonical tensor so it is the same for any sharding.
         with torch.device("meta"):
             model = build_model(self.model_cfg, plan.block, device)
+        if tcfg.float8 != "none":
+            apply_float8(model, tcfg.float8, emulate=device.type != "cuda")
         if tcfg.activation_checkpointing:
             apply_activation_checkpointing(model)
         if tcfg.compile:
