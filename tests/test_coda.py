@@ -76,6 +76,9 @@ CONFIGS = {
                                   rope_original_max_positions=8, tie_embeddings=True),
     "linear-L1": LlamaConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=24, vocab_size=50,
                              rope_type="linear", rope_factor=4.0),
+    # Qwen2's QKV bias (in F4's epilogue, before RoPE) on every layer, the head tied
+    "qwen2-bias-L3": LlamaConfig(dim=48, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=40, vocab_size=97,
+                                 family="qwen2", qkv_bias=True, tie_embeddings=True),
 }
 
 

@@ -129,8 +129,11 @@ class ReferenceStages(StageBackend):
         head_dim: int,
         rope_heads: int,
         rope: Rope,
+        bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         z = (h @ weight.t()).to(rstd.dtype) * rstd[:, None]
+        if bias is not None:
+            z += bias.to(rstd.dtype)
         cos, sin = _rope_cos_sin(positions, head_dim, rope, rstd.dtype)
         return _rotate_pairs(z, cos, sin, head_dim, rope_heads).to(h.dtype)
 
@@ -222,13 +225,20 @@ class ReferenceStages(StageBackend):
         head_dim: int,
         rope_heads: int,
         rope: Rope,
+        bias: torch.Tensor | None = None,
     ) -> RopeBwdOut:
         st = stat_dtype(dqkv.dtype)
         dqkv_s = dqkv.to(st)
         cos, sin = _rope_cos_sin(positions, head_dim, rope, st)
         # The transpose of a rotation is the rotation by the opposite angle.
         dz = _rotate_pairs(dqkv_s, cos, -sin, head_dim, rope_heads)
-        return RopeBwdOut(dz.to(dqkv.dtype), (qkv.to(st) * dqkv_s).sum(-1))
+        zdz = (qkv.to(st) * dqkv_s).sum(-1)
+        if bias is not None:  # the norm's consumer z excludes the bias: Σ (z − b)·dz
+            zdz -= dz @ bias.to(st)
+        return RopeBwdOut(dz.to(dqkv.dtype), zdz)
+
+    def bias_grad(self, dz: torch.Tensor) -> torch.Tensor:
+        return dz.to(stat_dtype(dz.dtype)).sum(0)
 
     def row_dot(self, z: torch.Tensor, dz: torch.Tensor) -> torch.Tensor:
         st = stat_dtype(z.dtype)

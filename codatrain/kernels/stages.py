@@ -139,7 +139,8 @@ class LseOut(NamedTuple):
 
 class RopeBwdOut(NamedTuple):
     dz: torch.Tensor  # (M, N_qkv) activation dtype: gradient before RoPE (rotated back)
-    zdz: torch.Tensor  # (M,) stat dtype: Σ_n z·dz over all N_qkv columns (= Σ qkv·dqkv)
+    zdz: torch.Tensor  # (M,) stat dtype: Σ_n (z − bias)·dz over all N_qkv columns (= Σ qkv·dqkv
+    # without a bias): the ZdZ of the attention norm, whose GEMM output is z less the bias
 
 
 class HeadLossOut(NamedTuple):
@@ -258,14 +259,16 @@ class StageBackend(ABC):
         head_dim: int,
         rope_heads: int,
         rope: Rope,
+        bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """F4: row-scaled QKV GEMM with RoPE on the q and k heads.
 
         h (M, d); weight (N_qkv, d) in the CODA layout (RoPE pairs adjacent); rstd (M,);
         positions (M,) int64 position of each token within its sequence; rope: θ and the scaling
-        that give pair i its rate `rope_inv_freq(head_dim, rope)[i]`.
-        Returns qkv (M, N_qkv) = rope(rstd ⊙ (h·Wᵀ)), rotating adjacent pairs of the first
-        rope_heads·head_dim columns (module docstring); the v columns pass through.
+        that give pair i its rate `rope_inv_freq(head_dim, rope)[i]`; bias (N_qkv,) or None: the
+        QKV bias (Qwen2), in the weight's row order, added before RoPE.
+        Returns qkv (M, N_qkv) = rope(z), z = rstd ⊙ (h·Wᵀ) + bias, rotating adjacent pairs of the
+        first rope_heads·head_dim columns (module docstring); the v columns pass through.
         """
 
     @abstractmethod
@@ -342,13 +345,21 @@ class StageBackend(ABC):
         head_dim: int,
         rope_heads: int,
         rope: Rope,
+        bias: torch.Tensor | None = None,
     ) -> RopeBwdOut:
         """Backward of F4's RoPE epilogue, with the ZdZ of the attention norm.
 
-        dqkv (M, N_qkv) from attention's backward; qkv (M, N_qkv) the F4 output; positions and
-        RoPE arguments as in `gemm_rstd_rope`. Returns dz = the gradient rotated back by −angle
-        and zdz = Σ_n qkv·dqkv, which equals Σ_n z·dz because RoPE is orthogonal.
+        dqkv (M, N_qkv) from attention's backward; qkv (M, N_qkv) the F4 output; positions, RoPE
+        arguments and bias as in `gemm_rstd_rope`. Returns dz = the gradient rotated back by
+        −angle and zdz = Σ_n qkv·dqkv, which equals Σ_n z·dz because RoPE is orthogonal; with a
+        bias, zdz = Σ_n (z − bias)·dz (the norm's GEMM output excludes it; `bias_grad` gives
+        the bias's own gradient).
         """
+
+    def bias_grad(self, dz: torch.Tensor) -> torch.Tensor:
+        """The gradient (N,) of a bias added to a GEMM output whose gradient is dz (M, N): Σ_m dz,
+        summed in the stat dtype (Qwen2's QKV bias). Only the reference stages have it so far."""
+        raise NotImplementedError(f"stage backend {self.name!r} has no bias epilogue")
 
     @abstractmethod
     def row_dot(self, z: torch.Tensor, dz: torch.Tensor) -> torch.Tensor:
