@@ -22,6 +22,10 @@ SHARED = {"vocab_size": 211, "hidden_size": 64, "intermediate_size": 96, "num_hi
 HF_CONFIGS = {
     "qwen2": {"model_type": "qwen2", **SHARED},
     "qwen2-tied": {"model_type": "qwen2", **SHARED, "tie_word_embeddings": True},
+    # A window no shorter than the context never binds: plain causal attention.
+    "mistral": {"model_type": "mistral", **SHARED, "sliding_window": 256},
+    # Heads wider than hidden_size / heads (as Mistral Nemo's), no window at all.
+    "mistral-head-dim": {"model_type": "mistral", **SHARED, "head_dim": 24, "sliding_window": None},
 }
 TOKENS = torch.randint(0, SHARED["vocab_size"], (2, 37), generator=torch.Generator().manual_seed(0))
 
@@ -71,7 +75,7 @@ def test_a_transformers_folder_imports_with_its_logits_and_exports_as_its_family
 
 @pytest.mark.parametrize("preset, parameters", [
     # The published parameter counts (tied heads counted once).
-    ("qwen2_5_0_5b", 494_032_768), ("qwen2_5_7b", 7_615_616_512),
+    ("qwen2_5_0_5b", 494_032_768), ("qwen2_5_7b", 7_615_616_512), ("mistral_7b", 7_248_023_552),
 ])
 def test_presets_have_the_published_architectures(preset, parameters):
     cfg = get_preset(preset)
@@ -92,6 +96,17 @@ def test_qwen2_sliding_window_is_refused_by_name():
     hf_cfg = config_to_hf(get_preset("qwen2_5_0_5b")) | {"use_sliding_window": True, "sliding_window": 4096}
     with pytest.raises(ValueError, match=r"^unsupported Hugging Face qwen2 config: use_sliding_window=true: "
                                          r"sliding-window attention is not supported$"):
+        config_from_hf(hf_cfg)
+
+
+@pytest.mark.parametrize("window", [4096, "absent"])  # absent: MistralConfig's default, 4096
+def test_mistral_sliding_window_is_refused_by_name(window):
+    hf_cfg = config_to_hf(get_preset("mistral_7b")) | {"sliding_window": window}
+    if window == "absent":
+        del hf_cfg["sliding_window"]
+    with pytest.raises(ValueError, match=r"^unsupported Hugging Face mistral config: sliding_window=4096 < "
+                                         r"max_position_embeddings=32768: sliding-window attention is not "
+                                         r"supported \(Mistral v0.1 uses it\)$"):
         config_from_hf(hf_cfg)
 
 

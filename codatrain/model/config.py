@@ -225,6 +225,11 @@ PRESETS: dict[str, LlamaConfig] = {
         dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
         max_seq_len=131072, **_LLAMA3_ROPE, rope_factor=8.0,
     ),
+    # Mistral 7B v0.3 (v0.1's sliding window is not built: docs/design.md §7, model/hf.py).
+    "mistral_7b": LlamaConfig(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=32768,
+        family=ModelFamily.mistral, rope_theta=1000000.0, max_seq_len=32768,
+    ),
     # Qwen2.5's published architectures (the base models' config.json).
     "qwen2_5_0_5b": LlamaConfig(
         dim=896, n_layers=24, n_heads=14, n_kv_heads=2, ffn_dim=4864, vocab_size=151936,
