@@ -26,6 +26,9 @@ HF_CONFIGS = {
     "mistral": {"model_type": "mistral", **SHARED, "sliding_window": 256},
     # Heads wider than hidden_size / heads (as Mistral Nemo's), no window at all.
     "mistral-head-dim": {"model_type": "mistral", **SHARED, "head_dim": 24, "sliding_window": None},
+    # QK-norm over heads wider than hidden_size / heads, the head tied (as the small Qwen3s).
+    "qwen3-tied": {"model_type": "qwen3", **SHARED, "head_dim": 24, "tie_word_embeddings": True},
+    "qwen3": {"model_type": "qwen3", **SHARED, "head_dim": 16},
 }
 TOKENS = torch.randint(0, SHARED["vocab_size"], (2, 37), generator=torch.Generator().manual_seed(0))
 
@@ -76,6 +79,7 @@ def test_a_transformers_folder_imports_with_its_logits_and_exports_as_its_family
 @pytest.mark.parametrize("preset, parameters", [
     # The published parameter counts (tied heads counted once).
     ("qwen2_5_0_5b", 494_032_768), ("qwen2_5_7b", 7_615_616_512), ("mistral_7b", 7_248_023_552),
+    ("qwen3_0_6b", 596_049_920), ("qwen3_8b", 8_190_735_360),
 ])
 def test_presets_have_the_published_architectures(preset, parameters):
     cfg = get_preset(preset)
@@ -110,13 +114,20 @@ def test_mistral_sliding_window_is_refused_by_name(window):
         config_from_hf(hf_cfg)
 
 
-def test_cute_stages_refuse_a_qkv_bias_at_construction():
+@pytest.mark.parametrize("preset, key", [("qwen2_5_0_5b", "qkv_bias"), ("qwen3_0_6b", "qk_norm")])
+def test_cute_stages_refuse_a_qkv_bias_or_qk_norm_at_construction(preset, key):
     """block.backend=cute names the epilogue it lacks when the model is built (on the meta device,
     as the trainer builds it); the reference stages compute it."""
-    cfg = get_preset("qwen2_5_0_5b").replace(n_layers=1)
+    cfg = get_preset(preset).replace(n_layers=1)
     cute = ResolvedBlock("coda", "cute", "sdpa", get_backend("reference"), sdpa_attention)
-    refusal = r"^model.qkv_bias=true does not run on block.backend=cute: .*use block.backend=reference"
+    refusal = rf"^model.{key}=true does not run on block.backend=cute: .*use block.backend=reference"
     with torch.device("meta"), pytest.raises(ValueError, match=refusal):
         CodaLlama(cfg, cute)
     with torch.device("meta"):
         CodaLlama(cfg)
+
+
+def test_a_qwen3_config_without_head_dim_has_transformers_default_of_128():
+    exported = config_to_hf(get_preset("qwen3_0_6b").replace(dim=512))  # 512 / 16 heads = 32
+    hf_cfg = {k: v for k, v in exported.items() if k != "head_dim"}
+    assert config_from_hf(hf_cfg).head_dim == 128

@@ -47,6 +47,7 @@ class _Consts:
     dim: int
     eps: float
     head_dim: int
+    q_heads: int
     rope_heads: int
     rope_config: Rope
 
@@ -145,21 +146,35 @@ _MLP_SAVED = 8  # number of tensors `_mlp_forward` hands to the backward
 
 
 def _qkv_forward(s: StageBackend, c: _Consts, h: torch.Tensor, w_qkv: torch.Tensor, rstd: torch.Tensor,
-                 positions: torch.Tensor, b_qkv: torch.Tensor | None) -> torch.Tensor:
-    """F4: qkv = RoPE(rstd ⊙ (h·W_qkvᵀ) + b_qkv). The bias goes to the stage only when the model
-    has one, so a backend without the bias epilogue runs every other model."""
+                 positions: torch.Tensor, b_qkv: torch.Tensor | None, q_norm: torch.Tensor | None,
+                 k_norm: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """F4: (qkv = RoPE(QK-norm(rstd ⊙ (h·W_qkvᵀ) + b_qkv)), the pre-norm q and k columns or None).
+    The bias and the QK-norm go to the stages only when the model has them, so a backend without
+    those epilogues runs every other model."""
     bias = {} if b_qkv is None else {"bias": b_qkv}
-    return s.gemm_rstd_rope(h, w_qkv, rstd, positions, **c.rope, **bias)
+    if q_norm is None:
+        return s.gemm_rstd_rope(h, w_qkv, rstd, positions, **c.rope, **bias), None
+    return s.gemm_rstd_qknorm_rope(h, w_qkv, rstd, positions, **c.rope, q_heads=c.q_heads, q_weight=q_norm,
+                                   k_weight=k_norm, eps=c.eps, **bias)
 
 
-def _qkv_backward(s: StageBackend, c: _Consts, dqkv: torch.Tensor, qkv: torch.Tensor, positions: torch.Tensor,
-                  b_qkv: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """F4's epilogue backward: (dz, the attention norm's zdz, db_qkv or None)."""
-    if b_qkv is None:
-        dz, zdz = s.rope_bwd(dqkv, qkv, positions, **c.rope)
-        return dz, zdz, None
-    dz, zdz = s.rope_bwd(dqkv, qkv, positions, **c.rope, bias=b_qkv)
-    return dz, zdz, s.bias_grad(dz).to(b_qkv.dtype)
+def _qkv_backward(
+    s: StageBackend, c: _Consts, dqkv: torch.Tensor, qkv: torch.Tensor, z: torch.Tensor | None,
+    positions: torch.Tensor, b_qkv: torch.Tensor | None, q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """F4's epilogue backward: (dz, the attention norm's zdz, db_qkv, dq_norm, dk_norm), None for
+    what the model lacks."""
+    bias = {} if b_qkv is None else {"bias": b_qkv}
+    dq_norm = dk_norm = None
+    if q_norm is None:
+        dz, zdz = s.rope_bwd(dqkv, qkv, positions, **c.rope, **bias)
+    else:
+        dz, zdz, dq, dk = s.qknorm_rope_bwd(dqkv, qkv, z, positions, **c.rope, q_heads=c.q_heads,
+                                            q_weight=q_norm, k_weight=k_norm, eps=c.eps, **bias)
+        dq_norm, dk_norm = dq.to(q_norm.dtype), dk.to(k_norm.dtype)
+    db_qkv = None if b_qkv is None else s.bias_grad(dz).to(b_qkv.dtype)
+    return dz, zdz, db_qkv, dq_norm, dk_norm
 
 
 def _unpack(ctx) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
@@ -178,48 +193,50 @@ class _EntryFn(torch.autograd.Function):
     """tokens → (x0, qkv0): entry, then layer 0's F4."""
 
     @staticmethod
-    def forward(ctx, tokens, positions, embedding, gamma, w_qkv, b_qkv, s, c, dtype):
+    def forward(ctx, tokens, positions, embedding, gamma, w_qkv, b_qkv, q_norm, k_norm, s, c, dtype):
         x, h, rstd = s.entry(tokens, embedding, gamma, eps=c.eps, dtype=dtype)
-        qkv = _qkv_forward(s, c, h, w_qkv, rstd, positions, b_qkv)
-        ctx.save_for_backward(tokens, positions, x, rstd, qkv, gamma, w_qkv, b_qkv)
+        qkv, z = _qkv_forward(s, c, h, w_qkv, rstd, positions, b_qkv, q_norm, k_norm)
+        ctx.save_for_backward(tokens, positions, x, rstd, qkv, z, gamma, w_qkv, b_qkv, q_norm, k_norm)
         ctx.s, ctx.c, ctx.embedding_meta = s, c, (embedding.shape[0], embedding.dtype)
         return x, qkv
 
     @staticmethod
     def backward(ctx, dx_residual, dqkv):
-        tokens, positions, x, rstd, qkv, gamma, w_qkv, b_qkv = ctx.saved_tensors
+        tokens, positions, x, rstd, qkv, z, gamma, w_qkv, b_qkv, q_norm, k_norm = ctx.saved_tensors
         s, c = ctx.s, ctx.c
         with torch.autocast(dqkv.device.type, enabled=False):
-            dz, zdz, db_qkv = _qkv_backward(s, c, dqkv, qkv, positions, b_qkv)
+            dz, zdz, *dqkv_params = _qkv_backward(s, c, dqkv, qkv, z, positions, b_qkv, q_norm, k_norm)
             dx, n, dgamma = s.gemm_rms_bwd(dz, w_qkv, x, gamma, rstd, zdz, dx_residual)
             vocab, embedding_dtype = ctx.embedding_meta
             dembedding = s.entry_bwd(dx, tokens, num_embeddings=vocab).to(embedding_dtype)
             dw_qkv = s.wgrad(dz, n)
-        return None, None, dembedding, _dgamma(dgamma, gamma), dw_qkv, db_qkv, None, None, None
+        return None, None, dembedding, _dgamma(dgamma, gamma), dw_qkv, *dqkv_params, None, None, None
 
 
 class _LayerFn(torch.autograd.Function):
     """(attention output o, x_in) → (x_out, qkv of the next layer): F1 R1 F2 F3 R2 F4."""
 
     @staticmethod
-    def forward(ctx, o, x_in, w_o, gamma_mlp, w_gu, w_down, gamma_next, w_qkv_next, b_qkv_next, positions,
-                s, c):
+    def forward(ctx, o, x_in, w_o, gamma_mlp, w_gu, w_down, gamma_next, w_qkv_next, b_qkv_next, q_norm_next,
+                k_norm_next, positions, s, c):
         mlp_saved, x2, h2, r2 = _mlp_forward(s, c, o, x_in, w_o, gamma_mlp, w_gu, w_down, gamma_next)
-        qkv = _qkv_forward(s, c, h2, w_qkv_next, r2, positions, b_qkv_next)
-        ctx.save_for_backward(*mlp_saved, x2, r2, qkv, positions, gamma_next, w_qkv_next, b_qkv_next)
+        qkv, z = _qkv_forward(s, c, h2, w_qkv_next, r2, positions, b_qkv_next, q_norm_next, k_norm_next)
+        ctx.save_for_backward(*mlp_saved, x2, r2, qkv, z, positions, gamma_next, w_qkv_next, b_qkv_next,
+                              q_norm_next, k_norm_next)
         ctx.s, ctx.c = s, c
         return x2, qkv
 
     @staticmethod
     def backward(ctx, dx_residual, dqkv):
-        mlp_saved, (x2, r2, qkv, positions, gamma_next, w_qkv_next, b_qkv_next) = _unpack(ctx)
+        mlp_saved, saved = _unpack(ctx)
+        x2, r2, qkv, z, positions, gamma_next, w_qkv_next, *qkv_params = saved
         s, c = ctx.s, ctx.c
         with torch.autocast(dqkv.device.type, enabled=False):
-            dz, zdz, db_qkv_next = _qkv_backward(s, c, dqkv, qkv, positions, b_qkv_next)
+            dz, zdz, *dqkv_params = _qkv_backward(s, c, dqkv, qkv, z, positions, *qkv_params)
             dx2, n2, dgamma_next = s.gemm_rms_bwd(dz, w_qkv_next, x2, gamma_next, r2, zdz, dx_residual)
             dw_qkv_next = s.wgrad(dz, n2)
             mlp_grads = _mlp_backward(s, mlp_saved, dx2)
-        return *mlp_grads, _dgamma(dgamma_next, gamma_next), dw_qkv_next, db_qkv_next, None, None, None
+        return *mlp_grads, _dgamma(dgamma_next, gamma_next), dw_qkv_next, *dqkv_params, None, None, None
 
 
 class _FinalLossFn(torch.autograd.Function):
@@ -294,7 +311,7 @@ class _FinalLogitsFn(torch.autograd.Function):
 
 def _consts(cfg: LlamaConfig) -> _Consts:
     return _Consts(
-        dim=cfg.dim, eps=cfg.norm_eps, head_dim=cfg.head_dim,
+        dim=cfg.dim, eps=cfg.norm_eps, head_dim=cfg.head_dim, q_heads=cfg.n_heads,
         rope_heads=cfg.n_heads + cfg.n_kv_heads, rope_config=cfg.rope,
     )
 
@@ -314,6 +331,8 @@ class CodaEntry(nn.Module):
         self.gamma_attn = _param(cfg.dim)
         self.w_qkv = _param(cfg.qkv_dim, cfg.dim)
         self.b_qkv = _param(cfg.qkv_dim) if cfg.qkv_bias else None
+        self.q_norm = _param(cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = _param(cfg.head_dim) if cfg.qk_norm else None
 
     def forward(
         self, tokens: torch.Tensor, step: ForwardStep, tied_embedding: torch.Tensor | None = None
@@ -324,8 +343,9 @@ class CodaEntry(nn.Module):
             # The embedding is not cast as a whole: the entry stage writes its rows in step.dtype.
             return _EntryFn.apply(
                 tokens, step.positions, embedding, _cast(self.gamma_attn, step.dtype),
-                _cast(self.w_qkv, step.dtype), _cast_optional(self.b_qkv, step.dtype), step.stages,
-                self.consts, step.dtype,
+                _cast(self.w_qkv, step.dtype),
+                *(_cast_optional(p, step.dtype) for p in (self.b_qkv, self.q_norm, self.k_norm)),
+                step.stages, self.consts, step.dtype,
             )
 
 
@@ -358,6 +378,8 @@ class CodaLayer(_ShiftedLayer):
         self.gamma_attn_next = _param(cfg.dim)
         self.w_qkv_next = _param(cfg.qkv_dim, cfg.dim)
         self.b_qkv_next = _param(cfg.qkv_dim) if cfg.qkv_bias else None
+        self.q_norm_next = _param(cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm_next = _param(cfg.head_dim) if cfg.qk_norm else None
 
     def forward(
         self, qkv: torch.Tensor, x: torch.Tensor, step: ForwardStep
@@ -367,7 +389,9 @@ class CodaLayer(_ShiftedLayer):
         with torch.autocast(x.device.type, enabled=False):
             return _LayerFn.apply(
                 o, x, *self.mlp_params(step.dtype), _cast(self.gamma_attn_next, step.dtype),
-                _cast(self.w_qkv_next, step.dtype), _cast_optional(self.b_qkv_next, step.dtype),
+                _cast(self.w_qkv_next, step.dtype),
+                *(_cast_optional(p, step.dtype) for p in (self.b_qkv_next, self.q_norm_next,
+                                                          self.k_norm_next)),
                 step.positions, step.stages, self.consts,
             )
 
@@ -408,9 +432,7 @@ def qkv_row_order(cfg: LlamaConfig, device: torch.device | str = "cpu") -> torch
     adjacent rows (2j, 2j+1) so the RoPE epilogue rotates neighbouring accumulator columns.
     v rows keep their order. q and k move together, so attention scores are unchanged.
     """
-    half = cfg.head_dim // 2
-    pair_first = torch.arange(half, device=device)
-    per_head = torch.stack([pair_first, pair_first + half], dim=1).flatten()
+    per_head = head_row_order(cfg).to(device)
     rope_heads = cfg.n_heads + cfg.n_kv_heads
     rope_rows = (torch.arange(rope_heads, device=device)[:, None] * cfg.head_dim + per_head).flatten()
     return torch.cat([rope_rows, torch.arange(rope_heads * cfg.head_dim, cfg.qkv_dim, device=device)])
@@ -420,6 +442,25 @@ def gate_up_row_order(cfg: LlamaConfig, device: torch.device | str = "cpu") -> t
     """Native gate/up row r holds canonical row order[r]: [g0, u0, g1, u1, …] from [gate; up]."""
     gate = torch.arange(cfg.ffn_dim, device=device)
     return torch.stack([gate, gate + cfg.ffn_dim], dim=1).flatten()
+
+
+def head_row_order(cfg: LlamaConfig) -> torch.Tensor:
+    """Native row r of a QK-norm weight (head_dim,) holds canonical row order[r]: the RoPE pairs
+    adjacent, as inside each q/k head of `qkv_row_order`."""
+    pair_first = torch.arange(cfg.head_dim // 2)
+    return torch.stack([pair_first, pair_first + cfg.head_dim // 2], dim=1).flatten()
+
+
+def _qkv_extras(cfg: LlamaConfig, module: str, suffix: str, layer: str) -> Layout:
+    """The layout of the QKV bias and QK-norm weights a module holds for `layer` (canonical prefix)."""
+    table = {}
+    if cfg.qkv_bias:
+        table[f"{module}b_qkv{suffix}"] = Canonical(f"{layer}self_attn.qkv_proj.bias", qkv_row_order(cfg))
+    if cfg.qk_norm:
+        for name in ("q_norm", "k_norm"):
+            canonical = f"{layer}self_attn.{name}.weight"
+            table[f"{module}{name}{suffix}"] = Canonical(canonical, head_row_order(cfg))
+    return table
 
 
 class CodaLlama(nn.Module):
@@ -498,8 +539,7 @@ class CodaLlama(nn.Module):
             "entry.gamma_attn": Canonical("layers.0.input_layernorm.weight"),
             "entry.w_qkv": Canonical("layers.0.self_attn.qkv_proj.weight", qkv),
         }
-        if cfg.qkv_bias:
-            table["entry.b_qkv"] = Canonical("layers.0.self_attn.qkv_proj.bias", qkv)
+        table |= _qkv_extras(cfg, "entry.", "", "layers.0.")
         for i in range(cfg.n_layers):
             here, nxt = f"layers.{i}.", f"layers.{i + 1}."
             table |= {
@@ -513,8 +553,7 @@ class CodaLlama(nn.Module):
                     here + "gamma_attn_next": Canonical(nxt + "input_layernorm.weight"),
                     here + "w_qkv_next": Canonical(nxt + "self_attn.qkv_proj.weight", qkv),
                 }
-                if cfg.qkv_bias:
-                    table[here + "b_qkv_next"] = Canonical(nxt + "self_attn.qkv_proj.bias", qkv)
+                table |= _qkv_extras(cfg, here, "_next", nxt)
         table[f"layers.{last}.gamma_final"] = Canonical("norm.weight")
         if not cfg.tie_embeddings:
             table[f"layers.{last}.w_lm_head"] = Canonical("lm_head.weight")

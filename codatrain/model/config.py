@@ -240,6 +240,16 @@ PRESETS: dict[str, LlamaConfig] = {
         dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, ffn_dim=18944, vocab_size=152064,
         family=ModelFamily.qwen2, qkv_bias=True, rope_theta=1000000.0, norm_eps=1e-6, max_seq_len=131072,
     ),
+    # Qwen3's published dense architectures: heads of 128 whatever dim / n_heads is.
+    "qwen3_0_6b": LlamaConfig(
+        dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, ffn_dim=3072, vocab_size=151936,
+        family=ModelFamily.qwen3, qk_norm=True, rope_theta=1000000.0, norm_eps=1e-6, tie_embeddings=True,
+        max_seq_len=40960,
+    ),
+    "qwen3_8b": LlamaConfig(
+        dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=12288, vocab_size=151936,
+        family=ModelFamily.qwen3, qk_norm=True, rope_theta=1000000.0, norm_eps=1e-6, max_seq_len=40960,
+    ),
 }
 
 
