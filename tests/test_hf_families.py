@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from codatrain.config import load_config, validate
 from codatrain.kernels.attention import sdpa_attention
 from codatrain.kernels.resolve import ResolvedBlock
 from codatrain.kernels.stages import get_backend
@@ -14,6 +15,7 @@ from codatrain.model.coda import CodaLlama
 from codatrain.model.config import LlamaConfig, get_preset
 from codatrain.model.hf import config_from_hf, config_to_hf, save_hf
 from codatrain.train.hf_io import load_hf_weights, saved_architecture
+from codatrain.train.plan import build_run_plan
 
 # Tiny transformers configs: GQA, θ, eps and a context that differ from the defaults.
 SHARED = {"vocab_size": 211, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
@@ -131,3 +133,22 @@ def test_a_qwen3_config_without_head_dim_has_transformers_default_of_128():
     exported = config_to_hf(get_preset("qwen3_0_6b").replace(dim=512))  # 512 / 16 heads = 32
     hf_cfg = {k: v for k, v in exported.items() if k != "head_dim"}
     assert config_from_hf(hf_cfg).head_dim == 128
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3-tied", "mistral-head-dim"])
+def test_model_hf_plans_a_family_folder_and_the_cute_stages_refuse_the_qwens_by_name(tmp_path, name):
+    """model=hf takes the family's architecture from config.json when the run is planned; the plan
+    for the cute stages (scripts/precompile.py's, no device) names the epilogue they lack."""
+    theirs = transformers_model(name)
+    theirs.save_pretrained(tmp_path)
+    folder = ["model=hf", f"checkpoint.init_from={tmp_path}", "block=coda", "block.attention=sdpa"]
+    planned = build_run_plan(validate(load_config([*folder, "block.backend=reference"])), None)
+    assert planned.model_cfg == saved_architecture(tmp_path)
+    assert planned.model_cfg.family == theirs.config.model_type
+    cute = validate(load_config([*folder, "block.backend=cute"]))
+    lacking = {"qwen2": "qkv_bias", "qwen3": "qk_norm"}.get(planned.model_cfg.family)
+    if lacking is None:  # Mistral is a Llama
+        assert build_run_plan(cute, None).block.backend == "cute"
+    else:
+        with pytest.raises(ValueError, match=rf"^model.{lacking}=true does not run on block.backend=cute"):
+            build_run_plan(cute, None)
