@@ -152,3 +152,9 @@ def test_model_hf_plans_a_family_folder_and_the_cute_stages_refuse_the_qwens_by_
     else:
         with pytest.raises(ValueError, match=rf"^model.{lacking}=true does not run on block.backend=cute"):
             build_run_plan(cute, None)
+
+
+def test_a_head_dim_of_dim_over_heads_follows_a_new_dim_and_an_explicit_one_stays():
+    assert get_preset("tiny").replace(dim=256).head_dim == 256 // 4
+    assert get_preset("qwen3_0_6b").replace(dim=512).head_dim == 128
+    assert get_preset("tiny").replace(dim=256, head_dim=48).head_dim == 48
