@@ -76,6 +76,16 @@ CONFIGS = {
                                   rope_original_max_positions=8, tie_embeddings=True),
     "linear-L1": LlamaConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=24, vocab_size=50,
                              rope_type="linear", rope_factor=4.0),
+    # Qwen2's QKV bias (in F4's epilogue, before RoPE) on every layer, the head tied
+    "qwen2-bias-L3": LlamaConfig(dim=48, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=40, vocab_size=97,
+                                 family="qwen2", qkv_bias=True, tie_embeddings=True),
+    # Qwen3's QK-norm (its own eps), heads wider than dim / n_heads, the head tied
+    "qwen3-qknorm-L3": LlamaConfig(dim=48, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=40,
+                                   vocab_size=97, family="qwen3", qk_norm=True, norm_eps=1e-3,
+                                   tie_embeddings=True),
+    # Mistral, its heads wider than dim / n_heads (attention width 64 ≠ d = 48)
+    "mistral-head-dim-L2": LlamaConfig(dim=48, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=40,
+                                       vocab_size=97, family="mistral"),
 }
 
 

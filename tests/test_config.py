@@ -218,7 +218,7 @@ def test_every_readme_training_command_has_a_batch_its_micro_batches_divide():
     """The model=hf examples on 8 GPUs once asked for micro-steps of 16 × 8192 × 8 tokens, more than the
     recipe's 262,144-token step."""
     commands = readme_train_commands()
-    assert sum("model=hf" in overrides for _, overrides in commands) == 3
+    assert sum("model=hf" in overrides for _, overrides in commands) >= 3  # the parser finds them
     for nproc, overrides in commands:
         run = validate(load_config(overrides))
         micro_step = run.train.micro_batch_size * run.data.seq_len * nproc

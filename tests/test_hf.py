@@ -93,17 +93,16 @@ def test_unsupported_rope_scaling_is_rejected(rope, spelling):
 def test_every_unsupported_setting_is_named_in_one_error():
     hf_cfg = config_to_hf(CFG) | {
         "rope_parameters": {"rope_type": "yarn", "factor": 2.0}, "hidden_act": "gelu",
-        "attention_bias": True, "mlp_bias": True, "head_dim": 64,
+        "attention_bias": True, "mlp_bias": True, "architectures": ["LlamaForSequenceClassification"],
     }
     with pytest.raises(ValueError) as error:
         config_from_hf(hf_cfg)
     assert str(error.value) == (
-        "unsupported Hugging Face Llama config: RoPE scaling type 'yarn' is not supported (codatrain "
-        "implements default, linear, llama3); hidden_act='gelu' is not supported (only "
-        "'silu'); attention_bias=true is not supported (codatrain's projections have no bias); "
-        "mlp_bias=true is not supported (codatrain's projections have no bias); head_dim=64 × "
-        "num_attention_heads=4 != hidden_size=128 (codatrain requires head_dim = hidden_size / "
-        "num_attention_heads)"
+        "unsupported Hugging Face llama config: architectures LlamaForSequenceClassification are not "
+        "supported (model_type 'llama' loads as LlamaForCausalLM); RoPE scaling type 'yarn' is not "
+        "supported (codatrain implements default, linear, llama3); hidden_act='gelu' is not supported "
+        "(only 'silu'); attention_bias=true is not supported (codatrain's llama projections have no "
+        "bias); mlp_bias=true is not supported (codatrain's llama projections have no bias)"
     )
 
 
@@ -112,16 +111,20 @@ def test_mlp_bias_alone_is_rejected():
         config_from_hf(config_to_hf(CFG) | {"mlp_bias": True})
 
 
-def test_hidden_size_not_divisible_by_the_heads_is_rejected():
-    """Without head_dim, head_dim is hidden_size // heads: 130 // 4 = 32 does not make 130."""
-    with pytest.raises(ValueError, match=r"head_dim=32 × num_attention_heads=4 != hidden_size=130"):
-        config_from_hf({k: v for k, v in config_to_hf(CFG).items() if k != "head_dim"} | {"hidden_size": 130})
+def test_a_head_dim_other_than_hidden_size_over_the_heads_is_the_models():
+    """Without head_dim, head_dim is hidden_size // heads (130 // 4 = 32), as transformers reads it;
+    an explicit one (Qwen3's, Mistral's) is taken as given."""
+    without_head_dim = {k: v for k, v in config_to_hf(CFG).items() if k != "head_dim"}
+    derived = config_from_hf(without_head_dim | {"hidden_size": 130})
+    assert (derived.dim, derived.head_dim) == (130, 32)
+    assert config_from_hf(config_to_hf(CFG) | {"head_dim": 64}).head_dim == 64
 
 
-def test_model_type_other_than_llama_is_rejected_and_a_missing_one_is_llama():
+def test_model_type_outside_the_four_families_is_rejected_and_a_missing_one_is_llama():
     with pytest.raises(ValueError) as error:
-        config_from_hf(config_to_hf(CFG) | {"model_type": "mistral"})
-    assert str(error.value) == "config.json has model_type='mistral'; only 'llama' checkpoints can be loaded"
+        config_from_hf(config_to_hf(CFG) | {"model_type": "gemma"})
+    assert str(error.value) == ("config.json has model_type='gemma'; codatrain loads 'llama', 'mistral', "
+                                "'qwen2', 'qwen3' checkpoints")
     assert config_from_hf({k: v for k, v in config_to_hf(CFG).items() if k != "model_type"}) == CFG
 
 

@@ -20,6 +20,8 @@ from codatrain.kernels.stages import (
     EntryOut,
     HeadLossOut,
     LseOut,
+    QkNormBwdOut,
+    QkNormOut,
     ResidualOut,
     RmsBwdOut,
     Rope,
@@ -54,6 +56,20 @@ def _rotate_pairs(
     a, b = z[:, :rope_cols].reshape(m, rope_heads, head_dim // 2, 2).unbind(-1)
     rotated = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).reshape(m, rope_cols)
     return torch.cat((rotated, z[:, rope_cols:]), dim=1)
+
+
+def _head_norm(z: torch.Tensor, head_dim: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x̂ = z·r and r = (mean z² + eps)^-1/2 over each head of the (M, heads·head_dim) z, both
+    (M, heads, ·) in the stat dtype."""
+    zs = z.to(stat_dtype(z.dtype)).reshape(z.shape[0], -1, head_dim)
+    r = torch.rsqrt(zs.square().mean(-1, keepdim=True) + eps)
+    return zs * r, r
+
+
+def _head_gammas(q_weight: torch.Tensor, k_weight: torch.Tensor, q_heads: int,
+                 rope_heads: int) -> torch.Tensor:
+    """(rope_heads, head_dim): the q norm's weight for each q head, the k norm's for each k head."""
+    return torch.cat((q_weight.expand(q_heads, -1), k_weight.expand(rope_heads - q_heads, -1)))
 
 
 def _tile_sums(values: torch.Tensor, tile: int, dim: int) -> torch.Tensor:
@@ -129,10 +145,40 @@ class ReferenceStages(StageBackend):
         head_dim: int,
         rope_heads: int,
         rope: Rope,
+        bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         z = (h @ weight.t()).to(rstd.dtype) * rstd[:, None]
+        if bias is not None:
+            z += bias.to(rstd.dtype)
         cos, sin = _rope_cos_sin(positions, head_dim, rope, rstd.dtype)
         return _rotate_pairs(z, cos, sin, head_dim, rope_heads).to(h.dtype)
+
+    def gemm_rstd_qknorm_rope(
+        self,
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        rstd: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        head_dim: int,
+        q_heads: int,
+        rope_heads: int,
+        rope: Rope,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        bias: torch.Tensor | None = None,
+    ) -> QkNormOut:
+        st, rope_cols = rstd.dtype, rope_heads * head_dim
+        z = (h @ weight.t()).to(st) * rstd[:, None]
+        if bias is not None:
+            z += bias.to(st)
+        z_qk = z[:, :rope_cols].to(h.dtype)  # written once: the norm and its backward read this z
+        x_hat, _ = _head_norm(z_qk, head_dim, eps)
+        gamma = _head_gammas(q_weight, k_weight, q_heads, rope_heads).to(st)
+        normed = torch.cat(((x_hat * gamma).reshape(z.shape[0], rope_cols), z[:, rope_cols:]), dim=1)
+        cos, sin = _rope_cos_sin(positions, head_dim, rope, st)
+        return QkNormOut(_rotate_pairs(normed, cos, sin, head_dim, rope_heads).to(h.dtype), z_qk)
 
     def gemm_rstd(self, h: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
         return ((h @ weight.t()).to(rstd.dtype) * rstd[:, None]).to(h.dtype)
@@ -222,13 +268,52 @@ class ReferenceStages(StageBackend):
         head_dim: int,
         rope_heads: int,
         rope: Rope,
+        bias: torch.Tensor | None = None,
     ) -> RopeBwdOut:
         st = stat_dtype(dqkv.dtype)
         dqkv_s = dqkv.to(st)
         cos, sin = _rope_cos_sin(positions, head_dim, rope, st)
         # The transpose of a rotation is the rotation by the opposite angle.
         dz = _rotate_pairs(dqkv_s, cos, -sin, head_dim, rope_heads)
-        return RopeBwdOut(dz.to(dqkv.dtype), (qkv.to(st) * dqkv_s).sum(-1))
+        zdz = (qkv.to(st) * dqkv_s).sum(-1)
+        if bias is not None:  # the norm's consumer z excludes the bias: Σ (z − b)·dz
+            zdz -= dz @ bias.to(st)
+        return RopeBwdOut(dz.to(dqkv.dtype), zdz)
+
+    def qknorm_rope_bwd(
+        self,
+        dqkv: torch.Tensor,
+        qkv: torch.Tensor,
+        z: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        head_dim: int,
+        q_heads: int,
+        rope_heads: int,
+        rope: Rope,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        bias: torch.Tensor | None = None,
+    ) -> QkNormBwdOut:
+        st, m, rope_cols = stat_dtype(dqkv.dtype), dqkv.shape[0], rope_heads * head_dim
+        cos, sin = _rope_cos_sin(positions, head_dim, rope, st)
+        dn = _rotate_pairs(dqkv.to(st), cos, -sin, head_dim, rope_heads)[:, :rope_cols]
+        dn = dn.reshape(m, rope_heads, head_dim)
+        x_hat, r = _head_norm(z, head_dim, eps)
+        gamma = _head_gammas(q_weight, k_weight, q_heads, rope_heads).to(st)
+        dx_hat = dn * gamma
+        dz_qk = r * (dx_hat - x_hat * (x_hat * dx_hat).mean(-1, keepdim=True))
+        dgamma = (dn * x_hat).sum(0)  # (rope_heads, head_dim)
+        dz = torch.cat((dz_qk.reshape(m, rope_cols), dqkv[:, rope_cols:].to(st)), dim=1)
+        z_all = torch.cat((z.to(st), qkv[:, rope_cols:].to(st)), dim=1)
+        if bias is not None:
+            z_all -= bias.to(st)
+        return QkNormBwdOut(dz.to(dqkv.dtype), (z_all * dz).sum(-1), dgamma[:q_heads].sum(0),
+                            dgamma[q_heads:].sum(0))
+
+    def bias_grad(self, dz: torch.Tensor) -> torch.Tensor:
+        return dz.to(stat_dtype(dz.dtype)).sum(0)
 
     def row_dot(self, z: torch.Tensor, dz: torch.Tensor) -> torch.Tensor:
         st = stat_dtype(z.dtype)

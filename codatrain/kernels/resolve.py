@@ -51,22 +51,27 @@ class ResolvedBlock:
         as varlen offsets rather than flex_attention's block mask."""
         return self.attention == "fa4"
 
-    def unsupported_widths(self, dim: int, ffn_dim: int, head_dim: int) -> str | None:
-        """Why this block's kernels cannot run a model of these widths (one line naming the key
-        and the nearest widths that run), or None when they can. Any vocabulary runs."""
+    def unsupported_model(self, dim: int, ffn_dim: int, head_dim: int, *, qkv_bias: bool = False,
+                          qk_norm: bool = False) -> str | None:
+        """Why this block's kernels cannot run a model of these widths and attention epilogues
+        (one line naming the key, and the nearest widths or the block that run it), or None when
+        they can. Any vocabulary runs."""
         if self.cute_stages:
-            for key, width in (("model.dim", dim), ("model.ffn_dim", ffn_dim),
-                               ("the head dim (model.dim / model.n_heads)", head_dim)):
+            for key, width in (("model.dim", dim), ("model.ffn_dim", ffn_dim), ("model.head_dim", head_dim)):
                 if width % ROW_MULTIPLE:
                     below = width - width % ROW_MULTIPLE
                     nearest = f"{below} or {below + ROW_MULTIPLE}" if below else str(ROW_MULTIPLE)
                     return (f"{key}={width} does not run on block.backend=cute: its kernels move rows in "
                             f"16-byte units, so it must be a multiple of {ROW_MULTIPLE} (nearest: {nearest})")
+            # The cute QKV GEMM has neither epilogue yet; the reference stages compute both.
+            for key, on, what in (("qkv_bias", qkv_bias, "a QKV bias"), ("qk_norm", qk_norm, "a QK-norm")):
+                if on:
+                    return (f"model.{key}=true does not run on block.backend=cute: its QKV GEMM has no "
+                            f"epilogue for {what} yet; use block.backend=reference or block.impl=eager")
         if self.fa4 and head_dim not in FA4_HEAD_DIMS:
             correct = ", ".join(map(str, FA4_HEAD_DIMS))
-            return (f"the head dim (model.dim / model.n_heads)={head_dim} does not run on "
-                    f"block.attention=fa4, which is correct at head dims {correct}; "
-                    "block.attention=sdpa takes any")
+            return (f"model.head_dim={head_dim} does not run on block.attention=fa4, which is correct at "
+                    f"head dims {correct}; block.attention=sdpa takes any")
         return None
 
     def describe(self) -> str:

@@ -139,7 +139,22 @@ class LseOut(NamedTuple):
 
 class RopeBwdOut(NamedTuple):
     dz: torch.Tensor  # (M, N_qkv) activation dtype: gradient before RoPE (rotated back)
-    zdz: torch.Tensor  # (M,) stat dtype: Σ_n z·dz over all N_qkv columns (= Σ qkv·dqkv)
+    zdz: torch.Tensor  # (M,) stat dtype: Σ_n (z − bias)·dz over all N_qkv columns (= Σ qkv·dqkv
+    # without a bias): the ZdZ of the attention norm, whose GEMM output is z less the bias
+
+
+class QkNormOut(NamedTuple):
+    qkv: torch.Tensor  # (M, N_qkv) activation dtype: attention's input, as `gemm_rstd_rope` writes it
+    z: torch.Tensor  # (M, rope_heads·head_dim) activation dtype: the q and k columns before the
+    # QK-norm (rstd ⊙ (h·Wᵀ) + bias), which its backward reads
+
+
+class QkNormBwdOut(NamedTuple):
+    dz: torch.Tensor  # (M, N_qkv) activation dtype: gradient of the GEMM output before the QK-norm
+    zdz: torch.Tensor  # (M,) stat dtype: Σ_n (z − bias)·dz over all N_qkv columns (the attention
+    # norm's ZdZ; RoPE is orthogonal but the QK-norm is not, so this is not Σ qkv·dqkv)
+    dq_weight: torch.Tensor  # (head_dim,) stat dtype: gradient of the q heads' norm weight
+    dk_weight: torch.Tensor  # (head_dim,) stat dtype: gradient of the k heads' norm weight
 
 
 class HeadLossOut(NamedTuple):
@@ -258,15 +273,44 @@ class StageBackend(ABC):
         head_dim: int,
         rope_heads: int,
         rope: Rope,
+        bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """F4: row-scaled QKV GEMM with RoPE on the q and k heads.
 
         h (M, d); weight (N_qkv, d) in the CODA layout (RoPE pairs adjacent); rstd (M,);
         positions (M,) int64 position of each token within its sequence; rope: θ and the scaling
-        that give pair i its rate `rope_inv_freq(head_dim, rope)[i]`.
-        Returns qkv (M, N_qkv) = rope(rstd ⊙ (h·Wᵀ)), rotating adjacent pairs of the first
-        rope_heads·head_dim columns (module docstring); the v columns pass through.
+        that give pair i its rate `rope_inv_freq(head_dim, rope)[i]`; bias (N_qkv,) or None: the
+        QKV bias (Qwen2), in the weight's row order, added before RoPE.
+        Returns qkv (M, N_qkv) = rope(z), z = rstd ⊙ (h·Wᵀ) + bias, rotating adjacent pairs of the
+        first rope_heads·head_dim columns (module docstring); the v columns pass through.
         """
+
+    def gemm_rstd_qknorm_rope(
+        self,
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        rstd: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        head_dim: int,
+        q_heads: int,
+        rope_heads: int,
+        rope: Rope,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        bias: torch.Tensor | None = None,
+    ) -> QkNormOut:
+        """F4 with Qwen3's QK-norm between the GEMM (and bias) and RoPE.
+
+        As `gemm_rstd_rope`, but each of the first q_heads heads of z = rstd ⊙ (h·Wᵀ) + bias is
+        RMS-normed and scaled by q_weight, each of the next rope_heads − q_heads (the k heads) by
+        k_weight: n = z·(mean_j z_j² + eps)^-1/2 ⊙ γ over each head's head_dim columns, then RoPE.
+        q_weight and k_weight (head_dim,) are in the CODA column order (RoPE pairs adjacent).
+        Returns qkv and the pre-norm z of the q and k columns. Only the reference stages have it
+        so far.
+        """
+        raise NotImplementedError(f"stage backend {self.name!r} has no QK-norm epilogue")
 
     @abstractmethod
     def gemm_rstd(self, h: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
@@ -342,13 +386,46 @@ class StageBackend(ABC):
         head_dim: int,
         rope_heads: int,
         rope: Rope,
+        bias: torch.Tensor | None = None,
     ) -> RopeBwdOut:
         """Backward of F4's RoPE epilogue, with the ZdZ of the attention norm.
 
-        dqkv (M, N_qkv) from attention's backward; qkv (M, N_qkv) the F4 output; positions and
-        RoPE arguments as in `gemm_rstd_rope`. Returns dz = the gradient rotated back by −angle
-        and zdz = Σ_n qkv·dqkv, which equals Σ_n z·dz because RoPE is orthogonal.
+        dqkv (M, N_qkv) from attention's backward; qkv (M, N_qkv) the F4 output; positions, RoPE
+        arguments and bias as in `gemm_rstd_rope`. Returns dz = the gradient rotated back by
+        −angle and zdz = Σ_n qkv·dqkv, which equals Σ_n z·dz because RoPE is orthogonal; with a
+        bias, zdz = Σ_n (z − bias)·dz (the norm's GEMM output excludes it; `bias_grad` gives
+        the bias's own gradient).
         """
+
+    def qknorm_rope_bwd(
+        self,
+        dqkv: torch.Tensor,
+        qkv: torch.Tensor,
+        z: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        head_dim: int,
+        q_heads: int,
+        rope_heads: int,
+        rope: Rope,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        bias: torch.Tensor | None = None,
+    ) -> QkNormBwdOut:
+        """Backward of `gemm_rstd_qknorm_rope`'s epilogue: RoPE rotated back, then the QK-norm's
+        backward per head (with r the head's rstd, x̂ = z·r, dn the rotated-back gradient:
+        dz = r·(dn⊙γ − x̂·mean_j(x̂_j·dn_j·γ_j))), and the attention norm's ZdZ.
+
+        dqkv (M, N_qkv); qkv the stage's output (its v columns are z's); z its pre-norm q and k
+        columns; the other arguments as in the forward. Only the reference stages have it so far.
+        """
+        raise NotImplementedError(f"stage backend {self.name!r} has no QK-norm epilogue")
+
+    def bias_grad(self, dz: torch.Tensor) -> torch.Tensor:
+        """The gradient (N,) of a bias added to a GEMM output whose gradient is dz (M, N): Σ_m dz,
+        summed in the stat dtype (Qwen2's QKV bias). Only the reference stages have it so far."""
+        raise NotImplementedError(f"stage backend {self.name!r} has no bias epilogue")
 
     @abstractmethod
     def row_dot(self, z: torch.Tensor, dz: torch.Tensor) -> torch.Tensor:

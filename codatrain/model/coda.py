@@ -7,10 +7,12 @@ stage math, only through attention, which sits between Functions.
 
 Module structure follows the stage boundaries. F3 (down-projection) writes h = x ⊙ γ for the
 *next* layer's attention norm and F4 is the next layer's QKV GEMM, so each module owns the
-parameters its stages touch ("shifted" layers), and FSDP2 can shard one module at a time:
+parameters its stages touch ("shifted" layers), and FSDP2 can shard one module at a time (the
+QKV bias b_qkv of Qwen2 goes with its weight, into F4's epilogue before RoPE):
 
-    entry     embedding, γ_attn₀, W_qkv₀                 entry → F4₀
-    layers[i] W_oᵢ, γ_mlpᵢ, W_guᵢ, W_downᵢ, γ_attnᵢ₊₁, W_qkvᵢ₊₁   attention → F1 R1 F2 F3 R2 → F4ᵢ₊₁
+    entry     embedding, γ_attn₀, W_qkv₀ (b_qkv₀)                             entry → F4₀
+    layers[i] W_oᵢ, γ_mlpᵢ, W_guᵢ, W_downᵢ, γ_attnᵢ₊₁, W_qkvᵢ₊₁ (b_qkvᵢ₊₁)
+                                                           attention → F1 R1 F2 F3 R2 → F4ᵢ₊₁
     last      W_o, γ_mlp, W_gu, W_down, γ_final, W_lm_head    attention → F1 R1 F2 F3 R2 → LM head
 
 With tied embeddings one (V, d) matrix is the entry's embedding and the last layer's head. It
@@ -45,6 +47,7 @@ class _Consts:
     dim: int
     eps: float
     head_dim: int
+    q_heads: int
     rope_heads: int
     rope_config: Rope
 
@@ -93,6 +96,10 @@ def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t if dtype is None or t.dtype == dtype else t.to(dtype)
 
 
+def _cast_optional(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    return None if t is None else _cast(t, dtype)
+
+
 def _dgamma(partials: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
     return partials.sum(0).to(gamma.dtype)
 
@@ -135,6 +142,41 @@ def _mlp_backward(
 _MLP_SAVED = 8  # number of tensors `_mlp_forward` hands to the backward
 
 
+# ---- F4, the QKV GEMM with its epilogue, shared by the entry and the middle layers -------------
+
+
+def _qkv_forward(s: StageBackend, c: _Consts, h: torch.Tensor, w_qkv: torch.Tensor, rstd: torch.Tensor,
+                 positions: torch.Tensor, b_qkv: torch.Tensor | None, q_norm: torch.Tensor | None,
+                 k_norm: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """F4: (qkv = RoPE(QK-norm(rstd ⊙ (h·W_qkvᵀ) + b_qkv)), the pre-norm q and k columns or None).
+    The bias and the QK-norm go to the stages only when the model has them, so a backend without
+    those epilogues runs every other model."""
+    bias = {} if b_qkv is None else {"bias": b_qkv}
+    if q_norm is None:
+        return s.gemm_rstd_rope(h, w_qkv, rstd, positions, **c.rope, **bias), None
+    return s.gemm_rstd_qknorm_rope(h, w_qkv, rstd, positions, **c.rope, q_heads=c.q_heads, q_weight=q_norm,
+                                   k_weight=k_norm, eps=c.eps, **bias)
+
+
+def _qkv_backward(
+    s: StageBackend, c: _Consts, dqkv: torch.Tensor, qkv: torch.Tensor, z: torch.Tensor | None,
+    positions: torch.Tensor, b_qkv: torch.Tensor | None, q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """F4's epilogue backward: (dz, the attention norm's zdz, db_qkv, dq_norm, dk_norm), None for
+    what the model lacks."""
+    bias = {} if b_qkv is None else {"bias": b_qkv}
+    dq_norm = dk_norm = None
+    if q_norm is None:
+        dz, zdz = s.rope_bwd(dqkv, qkv, positions, **c.rope, **bias)
+    else:
+        dz, zdz, dq, dk = s.qknorm_rope_bwd(dqkv, qkv, z, positions, **c.rope, q_heads=c.q_heads,
+                                            q_weight=q_norm, k_weight=k_norm, eps=c.eps, **bias)
+        dq_norm, dk_norm = dq.to(q_norm.dtype), dk.to(k_norm.dtype)
+    db_qkv = None if b_qkv is None else s.bias_grad(dz).to(b_qkv.dtype)
+    return dz, zdz, db_qkv, dq_norm, dk_norm
+
+
 def _unpack(ctx) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """(the tensors `_mlp_forward` saved, the Function's own). Reads ctx.saved_tensors once:
     under activation checkpointing a second read is an error."""
@@ -151,47 +193,50 @@ class _EntryFn(torch.autograd.Function):
     """tokens → (x0, qkv0): entry, then layer 0's F4."""
 
     @staticmethod
-    def forward(ctx, tokens, positions, embedding, gamma, w_qkv, s, c, dtype):
+    def forward(ctx, tokens, positions, embedding, gamma, w_qkv, b_qkv, q_norm, k_norm, s, c, dtype):
         x, h, rstd = s.entry(tokens, embedding, gamma, eps=c.eps, dtype=dtype)
-        qkv = s.gemm_rstd_rope(h, w_qkv, rstd, positions, **c.rope)
-        ctx.save_for_backward(tokens, positions, x, rstd, qkv, gamma, w_qkv)
+        qkv, z = _qkv_forward(s, c, h, w_qkv, rstd, positions, b_qkv, q_norm, k_norm)
+        ctx.save_for_backward(tokens, positions, x, rstd, qkv, z, gamma, w_qkv, b_qkv, q_norm, k_norm)
         ctx.s, ctx.c, ctx.embedding_meta = s, c, (embedding.shape[0], embedding.dtype)
         return x, qkv
 
     @staticmethod
     def backward(ctx, dx_residual, dqkv):
-        tokens, positions, x, rstd, qkv, gamma, w_qkv = ctx.saved_tensors
+        tokens, positions, x, rstd, qkv, z, gamma, w_qkv, b_qkv, q_norm, k_norm = ctx.saved_tensors
         s, c = ctx.s, ctx.c
         with torch.autocast(dqkv.device.type, enabled=False):
-            dz, zdz = s.rope_bwd(dqkv, qkv, positions, **c.rope)
+            dz, zdz, *dqkv_params = _qkv_backward(s, c, dqkv, qkv, z, positions, b_qkv, q_norm, k_norm)
             dx, n, dgamma = s.gemm_rms_bwd(dz, w_qkv, x, gamma, rstd, zdz, dx_residual)
             vocab, embedding_dtype = ctx.embedding_meta
             dembedding = s.entry_bwd(dx, tokens, num_embeddings=vocab).to(embedding_dtype)
             dw_qkv = s.wgrad(dz, n)
-        return None, None, dembedding, _dgamma(dgamma, gamma), dw_qkv, None, None, None
+        return None, None, dembedding, _dgamma(dgamma, gamma), dw_qkv, *dqkv_params, None, None, None
 
 
 class _LayerFn(torch.autograd.Function):
     """(attention output o, x_in) → (x_out, qkv of the next layer): F1 R1 F2 F3 R2 F4."""
 
     @staticmethod
-    def forward(ctx, o, x_in, w_o, gamma_mlp, w_gu, w_down, gamma_next, w_qkv_next, positions, s, c):
+    def forward(ctx, o, x_in, w_o, gamma_mlp, w_gu, w_down, gamma_next, w_qkv_next, b_qkv_next, q_norm_next,
+                k_norm_next, positions, s, c):
         mlp_saved, x2, h2, r2 = _mlp_forward(s, c, o, x_in, w_o, gamma_mlp, w_gu, w_down, gamma_next)
-        qkv = s.gemm_rstd_rope(h2, w_qkv_next, r2, positions, **c.rope)
-        ctx.save_for_backward(*mlp_saved, x2, r2, qkv, positions, gamma_next, w_qkv_next)
+        qkv, z = _qkv_forward(s, c, h2, w_qkv_next, r2, positions, b_qkv_next, q_norm_next, k_norm_next)
+        ctx.save_for_backward(*mlp_saved, x2, r2, qkv, z, positions, gamma_next, w_qkv_next, b_qkv_next,
+                              q_norm_next, k_norm_next)
         ctx.s, ctx.c = s, c
         return x2, qkv
 
     @staticmethod
     def backward(ctx, dx_residual, dqkv):
-        mlp_saved, (x2, r2, qkv, positions, gamma_next, w_qkv_next) = _unpack(ctx)
+        mlp_saved, saved = _unpack(ctx)
+        x2, r2, qkv, z, positions, gamma_next, w_qkv_next, *qkv_params = saved
         s, c = ctx.s, ctx.c
         with torch.autocast(dqkv.device.type, enabled=False):
-            dz, zdz = s.rope_bwd(dqkv, qkv, positions, **c.rope)
+            dz, zdz, *dqkv_params = _qkv_backward(s, c, dqkv, qkv, z, positions, *qkv_params)
             dx2, n2, dgamma_next = s.gemm_rms_bwd(dz, w_qkv_next, x2, gamma_next, r2, zdz, dx_residual)
             dw_qkv_next = s.wgrad(dz, n2)
             mlp_grads = _mlp_backward(s, mlp_saved, dx2)
-        return *mlp_grads, _dgamma(dgamma_next, gamma_next), dw_qkv_next, None, None, None
+        return *mlp_grads, _dgamma(dgamma_next, gamma_next), dw_qkv_next, *dqkv_params, None, None, None
 
 
 class _FinalLossFn(torch.autograd.Function):
@@ -266,7 +311,7 @@ class _FinalLogitsFn(torch.autograd.Function):
 
 def _consts(cfg: LlamaConfig) -> _Consts:
     return _Consts(
-        dim=cfg.dim, eps=cfg.norm_eps, head_dim=cfg.head_dim,
+        dim=cfg.dim, eps=cfg.norm_eps, head_dim=cfg.head_dim, q_heads=cfg.n_heads,
         rope_heads=cfg.n_heads + cfg.n_kv_heads, rope_config=cfg.rope,
     )
 
@@ -285,6 +330,9 @@ class CodaEntry(nn.Module):
         self.embedding = None if cfg.tie_embeddings else _param(cfg.vocab_size, cfg.dim)
         self.gamma_attn = _param(cfg.dim)
         self.w_qkv = _param(cfg.qkv_dim, cfg.dim)
+        self.b_qkv = _param(cfg.qkv_dim) if cfg.qkv_bias else None
+        self.q_norm = _param(cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = _param(cfg.head_dim) if cfg.qk_norm else None
 
     def forward(
         self, tokens: torch.Tensor, step: ForwardStep, tied_embedding: torch.Tensor | None = None
@@ -295,7 +343,9 @@ class CodaEntry(nn.Module):
             # The embedding is not cast as a whole: the entry stage writes its rows in step.dtype.
             return _EntryFn.apply(
                 tokens, step.positions, embedding, _cast(self.gamma_attn, step.dtype),
-                _cast(self.w_qkv, step.dtype), step.stages, self.consts, step.dtype,
+                _cast(self.w_qkv, step.dtype),
+                *(_cast_optional(p, step.dtype) for p in (self.b_qkv, self.q_norm, self.k_norm)),
+                step.stages, self.consts, step.dtype,
             )
 
 
@@ -327,6 +377,9 @@ class CodaLayer(_ShiftedLayer):
         super().__init__(cfg)
         self.gamma_attn_next = _param(cfg.dim)
         self.w_qkv_next = _param(cfg.qkv_dim, cfg.dim)
+        self.b_qkv_next = _param(cfg.qkv_dim) if cfg.qkv_bias else None
+        self.q_norm_next = _param(cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm_next = _param(cfg.head_dim) if cfg.qk_norm else None
 
     def forward(
         self, qkv: torch.Tensor, x: torch.Tensor, step: ForwardStep
@@ -336,7 +389,10 @@ class CodaLayer(_ShiftedLayer):
         with torch.autocast(x.device.type, enabled=False):
             return _LayerFn.apply(
                 o, x, *self.mlp_params(step.dtype), _cast(self.gamma_attn_next, step.dtype),
-                _cast(self.w_qkv_next, step.dtype), step.positions, step.stages, self.consts,
+                _cast(self.w_qkv_next, step.dtype),
+                *(_cast_optional(p, step.dtype) for p in (self.b_qkv_next, self.q_norm_next,
+                                                          self.k_norm_next)),
+                step.positions, step.stages, self.consts,
             )
 
 
@@ -376,9 +432,7 @@ def qkv_row_order(cfg: LlamaConfig, device: torch.device | str = "cpu") -> torch
     adjacent rows (2j, 2j+1) so the RoPE epilogue rotates neighbouring accumulator columns.
     v rows keep their order. q and k move together, so attention scores are unchanged.
     """
-    half = cfg.head_dim // 2
-    pair_first = torch.arange(half, device=device)
-    per_head = torch.stack([pair_first, pair_first + half], dim=1).flatten()
+    per_head = head_row_order(cfg).to(device)
     rope_heads = cfg.n_heads + cfg.n_kv_heads
     rope_rows = (torch.arange(rope_heads, device=device)[:, None] * cfg.head_dim + per_head).flatten()
     return torch.cat([rope_rows, torch.arange(rope_heads * cfg.head_dim, cfg.qkv_dim, device=device)])
@@ -388,6 +442,25 @@ def gate_up_row_order(cfg: LlamaConfig, device: torch.device | str = "cpu") -> t
     """Native gate/up row r holds canonical row order[r]: [g0, u0, g1, u1, …] from [gate; up]."""
     gate = torch.arange(cfg.ffn_dim, device=device)
     return torch.stack([gate, gate + cfg.ffn_dim], dim=1).flatten()
+
+
+def head_row_order(cfg: LlamaConfig) -> torch.Tensor:
+    """Native row r of a QK-norm weight (head_dim,) holds canonical row order[r]: the RoPE pairs
+    adjacent, as inside each q/k head of `qkv_row_order`."""
+    pair_first = torch.arange(cfg.head_dim // 2)
+    return torch.stack([pair_first, pair_first + cfg.head_dim // 2], dim=1).flatten()
+
+
+def _qkv_extras(cfg: LlamaConfig, module: str, suffix: str, layer: str) -> Layout:
+    """The layout of the QKV bias and QK-norm weights a module holds for `layer` (canonical prefix)."""
+    table = {}
+    if cfg.qkv_bias:
+        table[f"{module}b_qkv{suffix}"] = Canonical(f"{layer}self_attn.qkv_proj.bias", qkv_row_order(cfg))
+    if cfg.qk_norm:
+        for name in ("q_norm", "k_norm"):
+            canonical = f"{layer}self_attn.{name}.weight"
+            table[f"{module}{name}{suffix}"] = Canonical(canonical, head_row_order(cfg))
+    return table
 
 
 class CodaLlama(nn.Module):
@@ -410,7 +483,8 @@ class CodaLlama(nn.Module):
             raise ValueError(f"{block} was resolved without a device: it names the kernels but holds none")
         self.cfg, self.block = cfg, block
         self.stages, self.attention_fn = block.stages, block.attention_fn
-        problem = block.unsupported_widths(cfg.dim, cfg.ffn_dim, cfg.head_dim)
+        problem = block.unsupported_model(cfg.dim, cfg.ffn_dim, cfg.head_dim, qkv_bias=cfg.qkv_bias,
+                                          qk_norm=cfg.qk_norm)
         if problem:
             raise ValueError(problem)
         self.entry = CodaEntry(cfg)
@@ -465,6 +539,7 @@ class CodaLlama(nn.Module):
             "entry.gamma_attn": Canonical("layers.0.input_layernorm.weight"),
             "entry.w_qkv": Canonical("layers.0.self_attn.qkv_proj.weight", qkv),
         }
+        table |= _qkv_extras(cfg, "entry.", "", "layers.0.")
         for i in range(cfg.n_layers):
             here, nxt = f"layers.{i}.", f"layers.{i + 1}."
             table |= {
@@ -478,6 +553,7 @@ class CodaLlama(nn.Module):
                     here + "gamma_attn_next": Canonical(nxt + "input_layernorm.weight"),
                     here + "w_qkv_next": Canonical(nxt + "self_attn.qkv_proj.weight", qkv),
                 }
+                table |= _qkv_extras(cfg, here, "_next", nxt)
         table[f"layers.{last}.gamma_final"] = Canonical("norm.weight")
         if not cfg.tie_embeddings:
             table[f"layers.{last}.w_lm_head"] = Canonical("lm_head.weight")

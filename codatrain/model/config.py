@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from enum import StrEnum
 
 from codatrain.kernels.stages import Rope, RopeType
 
@@ -18,18 +19,47 @@ ROPE_SCALING_FIELDS = {
 
 # Fields that decide tensor shapes or the function the model computes; max_seq_len and init_std
 # may change between a checkpoint and the run that loads it.
-ARCHITECTURE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "rope_theta",
-                       "rope_type", *ROPE_SCALING_FIELDS, "norm_eps", "tie_embeddings")
+ARCHITECTURE_FIELDS = ("family", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
+                       "vocab_size", "rope_theta", "rope_type", *ROPE_SCALING_FIELDS, "norm_eps",
+                       "tie_embeddings", "qkv_bias", "qk_norm")
+
+
+class ModelFamily(StrEnum):
+    """The Llama-style decoder families, named as Hugging Face's `model_type`: the name an export
+    keeps, so that transformers loads it as that family."""
+
+    llama = "llama"
+    mistral = "mistral"  # the Llama architecture (without sliding-window attention)
+    qwen2 = "qwen2"  # Qwen2 and Qwen2.5: a bias on the q, k and v projections
+    qwen3 = "qwen3"  # Qwen3 (dense): RMSNorm over each q and k head before RoPE
+
+
+# What each family's attention has: (qkv_bias, qk_norm). A family's checkpoints have exactly
+# these (transformers' classes have no switch for them), so a config matches its family.
+FAMILY_ATTENTION = {
+    ModelFamily.llama: (False, False),
+    ModelFamily.mistral: (False, False),
+    ModelFamily.qwen2: (True, False),
+    ModelFamily.qwen3: (False, True),
+}
 
 
 @dataclass(frozen=True)
 class LlamaConfig:
+    """A Llama-style decoder. `head_dim` None is dim / n_heads (Qwen3 gives its own); `qkv_bias`
+    adds a bias to the q, k and v projections (Qwen2), `qk_norm` an RMSNorm (weights of size
+    head_dim) over each q and k head before RoPE (Qwen3)."""
+
     dim: int  # model width (hidden size)
     n_layers: int  # transformer blocks
-    n_heads: int  # query heads; the head width is dim / n_heads
+    n_heads: int  # query heads
     n_kv_heads: int  # key/value heads (grouped-query attention when fewer than n_heads)
     ffn_dim: int  # SwiGLU hidden width
     vocab_size: int  # rows of the embedding and the LM head; at least the tokenizer's ids
+    head_dim: int | None = None  # width of one head; null: dim / n_heads (Qwen3 gives its own)
+    family: ModelFamily = ModelFamily.llama  # the HF model_type the architecture is exported as
+    qkv_bias: bool = False  # a bias on the q, k and v projections (Qwen2 / Qwen2.5)
+    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3)
     rope_theta: float = 500000.0  # RoPE base
     # RoPE scaling, as Hugging Face's rope_parameters (codatrain.kernels.stages.Rope).
     rope_type: RopeType = RopeType.default
@@ -46,15 +76,32 @@ class LlamaConfig:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
-        if self.dim % self.n_heads:
-            raise ValueError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
+        if self.head_dim is None:
+            if self.dim % self.n_heads:
+                raise ValueError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}; "
+                                 "set model.head_dim to give the head width")
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        elif self.head_dim <= 0:
+            raise ValueError(f"model.head_dim must be positive, got {self.head_dim}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}"
             )
         if self.head_dim % 2:
-            raise ValueError(f"head dim {self.head_dim} must be even for RoPE")
+            raise ValueError(f"model.head_dim={self.head_dim} must be even for RoPE")
+        self._check_family()
         self._check_rope()
+
+    def _check_family(self) -> None:
+        try:  # a checkpoint manifest gives the family as a string
+            object.__setattr__(self, "family", ModelFamily(self.family))
+        except ValueError:
+            raise ValueError(f"model.family={self.family!r} is not one of {', '.join(ModelFamily)}") from None
+        qkv_bias, qk_norm = FAMILY_ATTENTION[self.family]
+        for key, wanted in (("qkv_bias", qkv_bias), ("qk_norm", qk_norm)):
+            if getattr(self, key) != wanted:
+                raise ValueError(f"model.{key}={getattr(self, key)} does not fit model.family={self.family}, "
+                                 f"whose checkpoints have {key}={wanted}")
 
     def _check_rope(self) -> None:
         try:  # a checkpoint manifest or config.json gives the type as a string
@@ -82,10 +129,6 @@ class LlamaConfig:
             )
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
     def rope(self) -> Rope:
         """θ and the scaling that give RoPE its rates (`codatrain.kernels.stages.rope_inv_freq`)."""
         return Rope(self.rope_theta, self.rope_type, self.rope_factor, self.rope_low_freq_factor,
@@ -97,6 +140,11 @@ class LlamaConfig:
         return (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
 
     def replace(self, **overrides: object) -> LlamaConfig:
+        """This config with `overrides`. A head dim that was dim / n_heads follows a new dim or
+        head count unless it is overridden too."""
+        derived = self.head_dim == self.dim // self.n_heads and not self.dim % self.n_heads
+        if derived and "head_dim" not in overrides and {"dim", "n_heads"} & set(overrides):
+            overrides["head_dim"] = None
         return dataclasses.replace(self, **overrides)
 
     def check_architecture(self, found: LlamaConfig, source: str) -> None:
@@ -116,6 +164,12 @@ class LlamaConfig:
         mlp = 3 * d * self.ffn_dim
         return qkv + out + mlp
 
+    def layer_vector_params(self) -> int:
+        """A layer's parameters outside its matmuls: its two norms, the QKV bias and the QK-norms."""
+        bias = self.qkv_dim if self.qkv_bias else 0
+        qk_norm = 2 * self.head_dim if self.qk_norm else 0
+        return 2 * self.dim + bias + qk_norm
+
     def matmul_params(self) -> int:
         """Parameters that take part in a matmul: every linear layer and the LM head (not the embedding
         lookup). A tied head is a GEMM all the same."""
@@ -123,9 +177,9 @@ class LlamaConfig:
 
     def num_params(self) -> int:
         """Every parameter once: a tied embedding and head are one matrix."""
-        norms = (2 * self.n_layers + 1) * self.dim
+        vectors = self.n_layers * self.layer_vector_params() + self.dim
         embedding = 0 if self.tie_embeddings else self.vocab_size * self.dim
-        return self.matmul_params() + embedding + norms
+        return self.matmul_params() + embedding + vectors
 
     # ---- FLOPs ------------------------------------------------------------------------------
     def flops_per_token(self, seq_len: int) -> float:
@@ -170,6 +224,31 @@ PRESETS: dict[str, LlamaConfig] = {
     "llama3_1_8b": LlamaConfig(
         dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256,
         max_seq_len=131072, **_LLAMA3_ROPE, rope_factor=8.0,
+    ),
+    # Mistral 7B v0.3 (v0.1's sliding window is not built: docs/design.md §7, model/hf.py).
+    "mistral_7b": LlamaConfig(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=32768,
+        family=ModelFamily.mistral, rope_theta=1000000.0, max_seq_len=32768,
+    ),
+    # Qwen2.5's published architectures (the base models' config.json).
+    "qwen2_5_0_5b": LlamaConfig(
+        dim=896, n_layers=24, n_heads=14, n_kv_heads=2, ffn_dim=4864, vocab_size=151936,
+        family=ModelFamily.qwen2, qkv_bias=True, rope_theta=1000000.0, norm_eps=1e-6, tie_embeddings=True,
+        max_seq_len=32768,
+    ),
+    "qwen2_5_7b": LlamaConfig(
+        dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, ffn_dim=18944, vocab_size=152064,
+        family=ModelFamily.qwen2, qkv_bias=True, rope_theta=1000000.0, norm_eps=1e-6, max_seq_len=131072,
+    ),
+    # Qwen3's published dense architectures: heads of 128 whatever dim / n_heads is.
+    "qwen3_0_6b": LlamaConfig(
+        dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, ffn_dim=3072, vocab_size=151936,
+        family=ModelFamily.qwen3, qk_norm=True, rope_theta=1000000.0, norm_eps=1e-6, tie_embeddings=True,
+        max_seq_len=40960,
+    ),
+    "qwen3_8b": LlamaConfig(
+        dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=12288, vocab_size=151936,
+        family=ModelFamily.qwen3, qk_norm=True, rope_theta=1000000.0, norm_eps=1e-6, max_seq_len=40960,
     ),
 }
 

@@ -1,8 +1,11 @@
-"""Hugging Face Llama interop: config.json, tensor names and layouts, sharded safetensors files.
+"""Hugging Face interop for the Llama-style families (Llama, Mistral, Qwen2/2.5, Qwen3): config.json,
+tensor names and layouts, sharded safetensors files.
 
 The canonical state (codatrain/model/llama.py) already uses HF's half-rotation RoPE and HF's
 tensor names, so the conversion only adds the `model.` prefix and splits the fused projections:
-`qkv_proj` = [q_proj; k_proj; v_proj] and `gate_up_proj` = [gate_proj; up_proj], row-wise.
+`qkv_proj` = [q_proj; k_proj; v_proj] (weight and, for Qwen2, bias) and `gate_up_proj` =
+[gate_proj; up_proj], row-wise. The four families share these names; config.json keeps the
+family's `model_type`.
 
 Weights are read and written through safetensors only, never through pickle, so an untrusted
 download cannot run code.
@@ -23,7 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from codatrain.kernels.stages import RopeType
-from codatrain.model.config import ROPE_SCALING_FIELDS, LlamaConfig
+from codatrain.model.config import FAMILY_ATTENTION, ROPE_SCALING_FIELDS, LlamaConfig, ModelFamily
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -60,16 +63,41 @@ def _rope_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
     return {"rope_type": cfg.rope_type.value, **{_HF_ROPE_KEYS[name]: getattr(cfg, name) for name in used}}
 
 
+# Each family's causal-LM class in transformers, the one `architectures` names.
+HF_ARCHITECTURES = {
+    ModelFamily.llama: "LlamaForCausalLM",
+    ModelFamily.mistral: "MistralForCausalLM",
+    ModelFamily.qwen2: "Qwen2ForCausalLM",
+    ModelFamily.qwen3: "Qwen3ForCausalLM",
+}
+
+# The keys of each family's config.json beyond the shared ones, as codatrain's models compute
+# them: no bias but Qwen2's QKV bias (which its config has no key for), full attention everywhere.
+_FAMILY_KEYS: dict[ModelFamily, dict[str, Any]] = {
+    ModelFamily.llama: {"attention_bias": False, "mlp_bias": False},
+    ModelFamily.mistral: {"sliding_window": None},
+    ModelFamily.qwen2: {"use_sliding_window": False, "sliding_window": None},
+    ModelFamily.qwen3: {"attention_bias": False, "use_sliding_window": False, "sliding_window": None},
+}
+
+# transformers' defaults for keys a config.json may leave out, where the families differ.
+_DEFAULT_MAX_POSITIONS = {ModelFamily.llama: 2048, ModelFamily.mistral: 131072, ModelFamily.qwen2: 32768,
+                          ModelFamily.qwen3: 32768}
+_DEFAULT_MISTRAL_WINDOW = 4096  # MistralConfig's sliding_window when the key is absent
+_DEFAULT_QWEN3_HEAD_DIM = 128  # Qwen3Config's head_dim when the key is absent
+
+
 def config_to_hf(cfg: LlamaConfig, dtype: torch.dtype = torch.float32,
                  delimiters: Delimiters | None = None) -> dict[str, Any]:
-    """The config.json of a `LlamaForCausalLM` with the same architecture as `cfg`, and the token
-    ids of its tokenizer's `delimiters` (without them transformers assumes BOS 1 and EOS 2)."""
+    """The config.json of the transformers model of `cfg`'s family (`LlamaForCausalLM`,
+    `Qwen2ForCausalLM`, ...) with the same architecture as `cfg`, and the token ids of its
+    tokenizer's `delimiters` (without them transformers assumes BOS 1 and EOS 2)."""
     dtype_name = str(dtype).removeprefix("torch.")
     rope = _rope_to_hf(cfg)
     ids = {} if delimiters is None else {"bos_token_id": delimiters.bos_id, "eos_token_id": delimiters.eos_id}
     return {**ids,
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [HF_ARCHITECTURES[cfg.family]],
+        "model_type": cfg.family.value,
         "hidden_size": cfg.dim,
         "intermediate_size": cfg.ffn_dim,
         "num_hidden_layers": cfg.n_layers,
@@ -84,9 +112,8 @@ def config_to_hf(cfg: LlamaConfig, dtype: torch.dtype = torch.float32,
         "rope_scaling": None if cfg.rope_type == RopeType.default else rope,
         "rope_parameters": rope | {"rope_theta": cfg.rope_theta},
         "hidden_act": "silu",
-        "attention_bias": False,
         "attention_dropout": 0.0,
-        "mlp_bias": False,
+        **_FAMILY_KEYS[cfg.family],
         "tie_word_embeddings": cfg.tie_embeddings,
         "initializer_range": cfg.init_std,
         "torch_dtype": dtype_name,
@@ -120,42 +147,75 @@ def _rope_from_hf(hf: dict[str, Any], problems: list[str]) -> dict[str, Any]:
     return fields
 
 
-def config_from_hf(hf: dict[str, Any]) -> LlamaConfig:
-    """Our LlamaConfig for an HF Llama config.json; a ValueError names what codatrain cannot run."""
+def _family_from_hf(hf: dict[str, Any]) -> ModelFamily:
+    """The family a config.json's model_type names (absent: llama); any other is a ValueError."""
     model_type = hf.get("model_type", "llama")
-    if model_type != "llama":
-        raise ValueError(f"config.json has model_type={model_type!r}; only 'llama' checkpoints can be loaded")
+    if model_type not in set(ModelFamily):
+        raise ValueError(f"config.json has model_type={model_type!r}; codatrain loads "
+                         f"{', '.join(repr(f.value) for f in ModelFamily)} checkpoints")
+    return ModelFamily(model_type)
+
+
+def _attention_problems(hf: dict[str, Any], family: ModelFamily, max_positions: int) -> list[str]:
+    """What a family's config.json asks of attention that codatrain's models do not compute."""
+    problems = []
+    for key in ("attention_bias", "mlp_bias"):  # Qwen2 has no such key: its QKV bias is always on
+        if hf.get(key, False):
+            problems.append(f"{key}=true is not supported (codatrain's {family} projections have "
+                            f"{'only a QKV bias' if family == ModelFamily.qwen2 else 'no bias'})")
+    if family == ModelFamily.mistral:
+        window = hf.get("sliding_window", _DEFAULT_MISTRAL_WINDOW)
+        if window is not None and window < max_positions:
+            problems.append(f"sliding_window={window} < max_position_embeddings={max_positions}: "
+                            "sliding-window attention is not supported (Mistral v0.1 uses it)")
+    if hf.get("use_sliding_window", False):
+        problems.append("use_sliding_window=true: sliding-window attention is not supported")
+    windowed = sorted({t for t in hf.get("layer_types") or [] if t != "full_attention"})
+    if windowed:
+        problems.append(f"layer_types {', '.join(windowed)} are not supported (only full_attention)")
+    return problems
+
+
+def config_from_hf(hf: dict[str, Any]) -> LlamaConfig:
+    """Our LlamaConfig for the config.json of a Llama, Mistral, Qwen2/2.5 or Qwen3 checkpoint; a
+    ValueError names what codatrain cannot run (another model_type or architecture included)."""
+    family = _family_from_hf(hf)
     required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
     missing = [key for key in required if key not in hf]
     if missing:
         raise ValueError(f"config.json lacks {', '.join(missing)}")
     problems: list[str] = []
+    unknown = [name for name in hf.get("architectures") or [] if name != HF_ARCHITECTURES[family]]
+    if unknown:
+        problems.append(f"architectures {', '.join(unknown)} are not supported (model_type {family.value!r} "
+                        f"loads as {HF_ARCHITECTURES[family]})")
     rope = _rope_from_hf(hf, problems)
     if hf.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={hf['hidden_act']!r} is not supported (only 'silu')")
-    for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key, False):
-            problems.append(f"{key}=true is not supported (codatrain's projections have no bias)")
+    max_positions = hf.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[family])
+    problems += _attention_problems(hf, family, max_positions)
     n_heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
-    if head_dim * n_heads != hf["hidden_size"]:
-        problems.append(
-            f"head_dim={head_dim} × num_attention_heads={n_heads} != hidden_size={hf['hidden_size']} "
-            "(codatrain requires head_dim = hidden_size / num_attention_heads)"
-        )
+    qwen3 = family == ModelFamily.qwen3
+    default_head_dim = _DEFAULT_QWEN3_HEAD_DIM if qwen3 else hf["hidden_size"] // n_heads
+    head_dim = hf.get("head_dim") or default_head_dim
     if problems:
-        raise ValueError("unsupported Hugging Face Llama config: " + "; ".join(problems))
+        raise ValueError(f"unsupported Hugging Face {family.value} config: " + "; ".join(problems))
+    qkv_bias, qk_norm = FAMILY_ATTENTION[family]
     return LlamaConfig(
         dim=hf["hidden_size"],
         n_layers=hf["num_hidden_layers"],
         n_heads=n_heads,
         n_kv_heads=hf.get("num_key_value_heads") or n_heads,
+        head_dim=head_dim,
         ffn_dim=hf["intermediate_size"],
         vocab_size=hf["vocab_size"],
+        family=family,
+        qkv_bias=qkv_bias,
+        qk_norm=qk_norm,
         **rope,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),  # HF LlamaConfig's default
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),  # HF LlamaConfig defaults
-        max_seq_len=hf.get("max_position_embeddings", 2048),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),  # the four families' default
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        max_seq_len=max_positions,
         init_std=float(hf.get("initializer_range", 0.02)),
     )
 
@@ -165,9 +225,9 @@ def hf_names(canonical: str) -> list[str]:
     """The HF tensors that make up one canonical tensor, in row order."""
     if canonical == "lm_head.weight":
         return [canonical]
-    if canonical.endswith("self_attn.qkv_proj.weight"):
-        stem = canonical.removesuffix("qkv_proj.weight")
-        return [f"model.{stem}{p}_proj.weight" for p in ("q", "k", "v")]
+    if ".self_attn.qkv_proj." in canonical:  # weight or bias
+        stem, kind = canonical.split("qkv_proj.")
+        return [f"model.{stem}{p}_proj.{kind}" for p in ("q", "k", "v")]
     if canonical.endswith("mlp.gate_up_proj.weight"):
         stem = canonical.removesuffix("gate_up_proj.weight")
         return [f"model.{stem}{p}_proj.weight" for p in ("gate", "up")]
@@ -176,7 +236,7 @@ def hf_names(canonical: str) -> list[str]:
 
 def hf_split_rows(canonical: str, cfg: LlamaConfig) -> list[int]:
     """Rows of each HF part of a canonical tensor (see `hf_names`)."""
-    if canonical.endswith("self_attn.qkv_proj.weight"):
+    if ".self_attn.qkv_proj." in canonical:
         kv = cfg.n_kv_heads * cfg.head_dim
         return [cfg.n_heads * cfg.head_dim, kv, kv]
     if canonical.endswith("mlp.gate_up_proj.weight"):
@@ -200,8 +260,8 @@ def save_hf(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     delimiters: Delimiters | None = None,
 ) -> None:
-    """Write an HF Llama directory (config.json + safetensors) from canonical (name, tensor) pairs;
-    with the tokenizer's `delimiters`, config.json and generation_config.json name them.
+    """Write an HF directory of `cfg`'s family (config.json + safetensors) from canonical (name,
+    tensor) pairs; with the tokenizer's `delimiters`, config.json and generation_config.json name them.
 
     `tensors` is consumed lazily and exactly once, in order, so a caller can gather one tensor at a
     time; at most one shard of HF tensors is held in memory. One shard is written as
@@ -266,7 +326,8 @@ def _head(items: list[str], n: int, sep: str) -> str:
 
 # ---- reading -------------------------------------------------------------------------------------
 class HFCheckpoint:
-    """An HF Llama checkpoint on disk, read lazily through safetensors (memory-mapped).
+    """An HF checkpoint of one of the Llama-style families on disk, read lazily through safetensors
+    (memory-mapped).
 
     `path` is a directory (config.json with model.safetensors or a sharded index) or a single
     .safetensors file, which then carries no config.

@@ -16,8 +16,9 @@ from codatrain.model.layout import Canonical, CanonicalModel
 
 
 def canonical_init_std(name: str, cfg: LlamaConfig) -> float | None:
-    """Std of the normal init for a canonical weight, or None for norm weights (ones)."""
-    if name.endswith("layernorm.weight") or name == "norm.weight":
+    """Std of the normal init for a canonical weight, or None for norm weights (ones) and biases
+    (zeros)."""
+    if name.endswith(("norm.weight", ".bias")):
         return None
     if name.endswith(("o_proj.weight", "down_proj.weight")):
         # Residual-branch outputs shrink with depth (GPT-2 / Llama practice).
@@ -28,7 +29,7 @@ def canonical_init_std(name: str, cfg: LlamaConfig) -> float | None:
 def canonical_init_tensor(name: str, shape: torch.Size, cfg: LlamaConfig, seed: int) -> torch.Tensor:
     std = canonical_init_std(name, cfg)
     if std is None:
-        return torch.ones(shape)
+        return torch.zeros(shape) if name.endswith(".bias") else torch.ones(shape)
     generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     return torch.randn(shape, generator=generator, device="cpu").mul_(std)
 

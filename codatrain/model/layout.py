@@ -69,9 +69,13 @@ def permute_rows(tensor: torch.Tensor, order: torch.Tensor | None) -> torch.Tens
 
 def canonical_names(cfg: LlamaConfig) -> list[str]:
     """The tensors of the canonical state, in the eager model's parameter order. A tied head has no
-    tensor of its own: it is embed_tokens.weight."""
-    layer = ["input_layernorm", "self_attn.qkv_proj", "self_attn.o_proj", "post_attention_layernorm",
-             "mlp.gate_up_proj", "mlp.down_proj"]
-    layers = [f"layers.{i}.{name}.weight" for i in range(cfg.n_layers) for name in layer]
+    tensor of its own: it is embed_tokens.weight. The QKV bias is fused as the weight is, [q; k; v];
+    q_norm and k_norm are the QK-norms' (head_dim,) weights, shared by every head."""
+    attention = ["self_attn.qkv_proj.weight", *(["self_attn.qkv_proj.bias"] if cfg.qkv_bias else []),
+                 *(["self_attn.q_norm.weight", "self_attn.k_norm.weight"] if cfg.qk_norm else []),
+                 "self_attn.o_proj.weight"]
+    layer = ["input_layernorm.weight", *attention, "post_attention_layernorm.weight",
+             "mlp.gate_up_proj.weight", "mlp.down_proj.weight"]
+    layers = [f"layers.{i}.{name}" for i in range(cfg.n_layers) for name in layer]
     head = [] if cfg.tie_embeddings else ["lm_head.weight"]
     return ["embed_tokens.weight", *layers, "norm.weight", *head]

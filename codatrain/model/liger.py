@@ -63,8 +63,10 @@ class LigerRMSNorm(RMSNorm):
         from liger_kernel.ops import LigerRMSNormFunction
 
         # Liger's "llama" casting (statistics in fp32, the weight multiplies in the input dtype) is
-        # our RMSNorm's; in place: dx overwrites dy, which nothing else reads.
-        return LigerRMSNormFunction.apply(x, self.weight, self.eps, 0.0, "llama", True)
+        # our RMSNorm's; in place: dx overwrites dy, which nothing else reads. Its kernel takes
+        # whole rows: the QK-norms (Qwen3) read head slices of the fused qkv, copied to rows here
+        # (every other input already is rows: contiguous() returns it).
+        return LigerRMSNormFunction.apply(x.contiguous(), self.weight, self.eps, 0.0, "llama", True)
 
 
 class LigerMLP(MLP):

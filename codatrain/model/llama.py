@@ -87,7 +87,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.dim, cfg.qkv_dim, bias=False)
+        self.qkv_proj = nn.Linear(cfg.dim, cfg.qkv_dim, bias=cfg.qkv_bias)
+        # Qwen3's QK-norm: one RMSNorm over each q head, one over each k head, before RoPE.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
     def forward(
@@ -95,9 +98,12 @@ class Attention(nn.Module):
         cache: LayerCache | None = None,
     ) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = self.qkv_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2).split(
-            [self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=1
+        q, k, v = self.qkv_proj(x).view(B, T, -1, self.head_dim).split(
+            [self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2
         )
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = self.rotate(q, k, cos, sin)
         if cache is not None:
             # The T new queries sit at positions past..past+T-1 and see every key up to their own

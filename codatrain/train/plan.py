@@ -64,9 +64,10 @@ def build_run_plan(run: RunConfig, device: torch.device | None, world_size: int 
     tokenizer, tokenizer_line = run_tokenizer(run)
     data = replace(run.data, tokenizer=tokenizer)
     block = resolve_block(run.block.impl, run.block.backend, run.block.attention, device, model_cfg.head_dim)
-    # Refused here, before anything compiles: a width the kernels cannot take would otherwise stop
-    # the kernel build with a compiler error.
-    problem = (block.unsupported_widths(model_cfg.dim, model_cfg.ffn_dim, model_cfg.head_dim)
+    # Refused here, before anything compiles: a width or an epilogue the kernels cannot take would
+    # otherwise stop the kernel build with a compiler error.
+    problem = (block.unsupported_model(model_cfg.dim, model_cfg.ffn_dim, model_cfg.head_dim,
+                                       qkv_bias=model_cfg.qkv_bias, qk_norm=model_cfg.qk_norm)
                or float8_problem(run.train.float8, block.impl, device))
     if problem:
         raise ValueError(problem)
