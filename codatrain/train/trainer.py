@@ -16,6 +16,7 @@ from codatrain.config import RunConfig, validate
 from codatrain.data import build_loaders
 from codatrain.kernels.stages import IGNORE_INDEX
 from codatrain.model import build_model
+from codatrain.train.attempts import Attempt, sigterm_raises
 from codatrain.train.canonical_state import init_weights
 from codatrain.train.checkpoint import CHECKPOINTS_DIR, checkpoint_dirs
 from codatrain.train.checkpointer import Checkpointer
@@ -321,13 +322,21 @@ def train(cfg: DictConfig) -> TrainResult:
     dist_info = init_distributed(run.train.device)
     try:
         # One job per run directory, from before anything is read or written there.
-        with RunDirLock(run.train.run_dir, dist_info.is_main):
-            trainer = Trainer(run, dist_info)
+        with RunDirLock(run.train.run_dir, dist_info.is_main), sigterm_raises():
+            attempt, trainer = Attempt(run.train.run_dir, dist_info), None
             try:
+                trainer = Trainer(run, dist_info)
+                if attempt.previous:  # a restart after a process died, or a relaunch after a failure
+                    trainer.logger.info(f"restart: {attempt.previous}; resuming from step {trainer.step}")
                 result = trainer.fit()
                 barrier()  # no rank tears the process group down while another still talks to it
+            except BaseException as error:
+                attempt.end(trainer.step + 1 if trainer else 0, error)
+                raise
             finally:
-                trainer.close()
+                if trainer:
+                    trainer.close()
+            attempt.end(trainer.step, None)
         return result
     finally:
         shutdown_distributed()
