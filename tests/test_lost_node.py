@@ -1,7 +1,8 @@
 """A process lost mid-run, on 2 simulated nodes × 2 processes (loopback): the README's multi-node
 command, with c10d rendezvous and --max-restarts, brings the job back from its last checkpoint by
-itself. The final losses are the uninterrupted run's, the log says which rank died, in which step
-and from which step the job resumed, and every checkpoint left is complete."""
+itself. The process is killed while the checkpoint of step 15 is being saved: that save never
+becomes a checkpoint unless every rank finished writing it. The final losses are the uninterrupted
+run's, the log says which rank died, after which step and from which step the job resumed."""
 
 import json
 import os
@@ -19,7 +20,7 @@ from codatrain.train.checkpoint import checkpoint_dirs, inspect_checkpoint
 from codatrain.train.logger import read_losses
 
 REPO = Path(__file__).resolve().parent.parent
-STEPS, KILL_AFTER = 30, 12
+STEPS, KILL_IN_SAVE = 30, 15
 COMMON = [
     "train.log_every=1", "train.progress=false", "data=synthetic", "data.num_workers=0",
     "data.seq_len=32", "train.micro_batch_size=2", "model.n_layers=2", "optim.warmup_steps=2",
@@ -87,28 +88,31 @@ def test_a_killed_process_restarts_the_job_from_its_last_checkpoint(tmp_path):
     run_dir = tmp_path / "lost"
     run_dir.mkdir()
     agents = launch(run_dir, "lost")
+    saving = run_dir / "checkpoints" / f".tmp-step_{KILL_IN_SAVE}"
     deadline = time.monotonic() + 240
-    while not (run_dir / "metrics.jsonl").exists() or max(read_losses(run_dir), default=0) < KILL_AFTER:
-        assert time.monotonic() < deadline and all(a.poll() is None for a in agents), "no step 12"
-        time.sleep(0.02)
+    while not saving.exists():
+        assert time.monotonic() < deadline and all(a.poll() is None for a in agents), "no save of step 15"
+        time.sleep(0.002)
     os.kill(worker_of_rank(agents, 3), signal.SIGKILL)
-    killed_at = max(read_losses(run_dir))
     finish(agents)
 
     log = (run_dir / "train.log").read_text()
     restart = re.search(r"^restart: attempt 1 \(4 processes\) ended early: rank 3 \(pid \d+ on .+?\) died "
-                        r"without a trace during step (\d+), by [-\d]+ [:\d]+ UTC \(killed: .*\); the first "
+                        r"without a trace after step (\d+), by [-\d]+ [:\d]+ UTC \(killed: .*\); the first "
                         r"error: rank [012] at .+?: .*; resuming from step (\d+)$", log, re.M)
     assert restart, log
-    died_in, resumed_from = int(restart.group(1)), int(restart.group(2))
-    assert killed_at < died_in <= STEPS and resumed_from % 5 == 0 and KILL_AFTER - 5 <= resumed_from < died_in
+    # Killed before it wrote its files, rank 3 leaves step 15 unpublished and the job resumes from
+    # step 10; killed after (the save is short), step 15 is complete and the job resumes from it.
+    assert int(restart.group(1)) == KILL_IN_SAVE and int(restart.group(2)) in (KILL_IN_SAVE - 5, KILL_IN_SAVE)
+    resumed_from = int(restart.group(2))
     assert f"resumed from {run_dir / 'checkpoints' / f'step_{resumed_from}'} at step {resumed_from}" in log
     # The steps trained again after the restart, and the rest, are the uninterrupted run's.
     assert read_losses(run_dir) == read_losses(reference)
     assert log.splitlines()[-1].startswith(f"done: step {STEPS}/{STEPS} | ")
-    # A save cut short by the kill never became a checkpoint: every one left is complete.
+    # Every checkpoint left is complete (checksums included); the next save removed the partial one.
     for _, path in checkpoint_dirs(run_dir / "checkpoints"):
         inspect_checkpoint(path)
+    assert not list((run_dir / "checkpoints").glob(".tmp-*"))
 
 
 def test_the_report_names_the_silent_rank_and_nothing_after_a_finished_attempt(tmp_path):
@@ -126,6 +130,6 @@ def test_the_report_names_the_silent_rank_and_nothing_after_a_finished_attempt(t
     write(killed, 0, ended=60.0, step=9, error="RuntimeError: peer")
     write(killed, 1)
     assert describe_attempt(killed) == (
-        "attempt 2 (2 processes) ended early: rank 1 (pid 101 on node-b) died without a trace during "
+        "attempt 2 (2 processes) ended early: rank 1 (pid 101 on node-b) died without a trace after "
         "step 9, by 1970-01-01 00:01:00 UTC (killed: SIGKILL, the OOM killer or a lost node); the first "
         "error: rank 0 at 1970-01-01 00:01:00 UTC: RuntimeError: peer")

@@ -3,9 +3,10 @@
 Each start of a job in a run directory (an attempt: a launch, or a restart by torchrun's elastic
 agents after a process died) has a folder `<run_dir>/attempts/<n>/`, numbered by rank 0. Every rank
 writes `rank_<r>.json` there when it starts (host, pid, time) and again when it ends through Python:
-the step it was in and the error that stopped it (a collective whose peer died, the agent's SIGTERM)
+the last step it completed and the error that stopped it (a collective whose peer died, the agent's SIGTERM)
 or none. A rank killed by SIGKILL, the OOM killer or a lost node writes no end: the next attempt's
-rank 0 names it as the rank that died, with the step the others were in and the time they stopped.
+rank 0 names it as the rank that died, with the last step the others completed and the time they
+stopped.
 The run directory must be shared by the nodes (as its checkpoints are).
 """
 
@@ -46,8 +47,8 @@ def describe_attempt(folder: Path) -> str | None:
     if silent:
         died = ", ".join(f"rank {r['rank']} (pid {r['pid']} on {r['host']})" for r in silent)
         when = ""
-        if stopped:  # the others were in the step it died in, and their first error came soon after
-            when = f" during step {max(r['step'] for r in stopped)}, by {_clock(stopped[0]['ended'])}"
+        if stopped:  # the others stopped at their next collective with it: soon after
+            when = f" after step {max(r['step'] for r in stopped)}, by {_clock(stopped[0]['ended'])}"
         parts.append(f"{died} died without a trace{when} (killed: SIGKILL, the OOM killer or a lost node)")
     if stopped:
         first = stopped[0]
@@ -82,7 +83,7 @@ class Attempt:
         self.file.write_text(json.dumps(self.record))
 
     def end(self, step: int, error: BaseException | None) -> None:
-        """Record how this rank ends: in step `step`, stopped by `error` or finished (None)."""
+        """Record how this rank ends: after step `step`, stopped by `error` or finished (None)."""
         message = None
         if error is not None:  # its first line: gloo's messages go on for several
             message = (f"{type(error).__name__}: {error}".splitlines() or [""])[0][:160]

@@ -331,7 +331,7 @@ def train(cfg: DictConfig) -> TrainResult:
                 result = trainer.fit()
                 barrier()  # no rank tears the process group down while another still talks to it
             except BaseException as error:
-                attempt.end(trainer.step + 1 if trainer else 0, error)
+                attempt.end(trainer.step if trainer else 0, error)
                 raise
             finally:
                 if trainer:
