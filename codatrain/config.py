@@ -178,6 +178,33 @@ class TrainConfig:
         require_not_negative(self, "train", "skip_nonfinite_steps", "profile_steps", "profile_skip")
 
 
+# parallel.dp_replicate=auto: one replica per node (torchrun's LOCAL_WORLD_SIZE processes each).
+AUTO_REPLICATE = "auto"
+
+
+@dataclass
+class ParallelConfig:
+    """The data-parallel mesh, dp_replicate × dp_shard = the processes (torchtitan's
+    data_parallel_replicate_degree × data_parallel_shard_degree). FSDP2 shards each block over the
+    dp_shard processes of a group and replicates the groups (HSDP): its all-gathers and
+    reduce-scatters stay inside a group, and only one all-reduce of the sharded gradients crosses
+    groups. The default shards over every process, as plain FSDP; dp_replicate=auto shards within a
+    node and replicates across nodes. The run plan decides the degrees (train/plan.py)."""
+
+    dp_replicate: str = "1"  # a number of replicas, or auto: one per node
+    dp_shard: int = -1  # processes per replica; -1: the processes dp_replicate leaves
+
+    def __post_init__(self) -> None:
+        if self.dp_replicate != AUTO_REPLICATE and not (
+            self.dp_replicate.isdigit() and int(self.dp_replicate) > 0
+        ):
+            raise ValueError(f"parallel.dp_replicate must be a positive number or {AUTO_REPLICATE}, "
+                             f"got {self.dp_replicate!r}")
+        if self.dp_shard != -1 and self.dp_shard <= 0:
+            raise ValueError(f"parallel.dp_shard must be positive or -1 (the processes left), "
+                             f"got {self.dp_shard}")
+
+
 @dataclass
 class CheckpointConfig:
     """Training checkpoints in <run_dir>/checkpoints/step_<n>/ (codatrain/train/checkpoint.py)."""
@@ -234,6 +261,7 @@ class RunConfig:
     data: DataConfig = MISSING
     optim: OptimConfig = MISSING
     train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     logger: LoggerConfig = MISSING

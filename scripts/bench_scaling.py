@@ -16,6 +16,11 @@ five jobs under torchrun, each in <out>/<variant>/<leg>/:
 - resume_1: one process resumes loss_N's halfway checkpoint (DCP reshards N → 1) and trains on to
   `--steps`. Check: the same two criteria against loss_N over the resumed steps.
 
+`--mesh` sets the N-process legs' data-parallel mesh (README, "Several nodes"): `full` (default:
+FSDP2 shards over all N), `RxS` (HSDP: R replicas × S shards, R·S = N; `Nx1` replicates only) or
+`auto`. Two calls with different `--mesh` and `--out` measure HSDP against full sharding on the
+same GPUs.
+
 A leg whose metrics already reach its last step is not run again, so calling the command again
 after an interruption (a time limit, say) continues where it stopped; `--fresh` reruns all. With
 `--nproc 1` every leg runs on one process: a smoke test of the script. Writes
@@ -74,8 +79,22 @@ def run_leg(run_dir: Path, last_step: int, fresh: bool, job) -> str | None:
     return job()
 
 
+def mesh_overrides(mesh: str, nproc: int) -> list[str]:
+    """The parallel.* overrides of `--mesh` (full, auto or RxS) for `nproc` processes; ValueError
+    when R·S is not nproc."""
+    if mesh == "full":
+        return []
+    if mesh == "auto":
+        return ["parallel.dp_replicate=auto"]
+    replicate, _, shard = mesh.partition("x")
+    if not (replicate.isdigit() and shard.isdigit()) or int(replicate) * int(shard) != nproc:
+        raise ValueError(f"--mesh {mesh}: give full, auto or RxS with R·S = --nproc {nproc}")
+    return [f"parallel.dp_replicate={replicate}", f"parallel.dp_shard={shard}"]
+
+
 def scale_variant(name: str, args: argparse.Namespace, micro_batch: int, seq_len: int) -> dict:
     n, out = args.nproc, args.out / name
+    mesh = mesh_overrides(args.mesh, n)  # for the N-process legs; one process has no mesh
     result: dict = {"variant": name}
 
     # Throughput at the given micro-batch: per-device tokens/s on N processes against 1.
@@ -83,7 +102,8 @@ def scale_variant(name: str, args: argparse.Namespace, micro_batch: int, seq_len
     for procs in (1, n):
         leg = out / f"throughput_{procs}"
         error = run_leg(leg, args.throughput_steps, args.fresh, lambda leg=leg, procs=procs: run_variant(
-            name, args.overrides, args.throughput_steps, leg, procs, 0).get("error"))
+            name, [*args.overrides, *(mesh if procs == n else [])], args.throughput_steps, leg, procs,
+            0).get("error"))
         if error:
             return {**result, "error": f"{leg.name}: {error}"}
         records = {"variant": name, "records": read_records(leg), "profile": None}
@@ -102,7 +122,7 @@ def scale_variant(name: str, args: argparse.Namespace, micro_batch: int, seq_len
              f"train.steps={args.steps}", "checkpoint.at_end=false"]
     jobs = {
         "loss_1": (1, [*batch, "checkpoint.resume=none"]),
-        f"loss_{n}": (n, [*batch, "checkpoint.resume=none", f"checkpoint.every={half}",
+        f"loss_{n}": (n, [*batch, *mesh, "checkpoint.resume=none", f"checkpoint.every={half}",
                           "checkpoint.keep_last=0"]),
         "resume_1": (1, [*batch, f"checkpoint.resume={out / f'loss_{n}' / 'checkpoints' / f'step_{half}'}"]),
     }
@@ -174,6 +194,7 @@ def print_table(results: list[dict], nproc: int) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=2, help="processes (GPUs) of the data-parallel runs")
+    p.add_argument("--mesh", default="full", help="the N-process legs' mesh: full, auto or RxS (R·S = N)")
     p.add_argument("--variants", default="compile,coda", help=f"any of {', '.join(VARIANTS)}")
     p.add_argument("--steps", type=int, default=200, help="steps of the loss-curve runs (even)")
     p.add_argument("--throughput-steps", type=int, default=25)
@@ -199,16 +220,20 @@ def main() -> None:
         p.error("--warmup must be smaller than --throughput-steps")
     if args.nproc < 1:
         p.error("--nproc must be at least 1")
-    if any(o.split("=")[0].lstrip("+~") in ("train.tokens_per_step", "train.run_dir")
-           for o in args.overrides):
-        p.error("train.tokens_per_step and train.run_dir are set per leg by this script")
+    per_leg = ("train.tokens_per_step", "train.run_dir", "parallel.dp_replicate", "parallel.dp_shard")
+    if any(o.split("=")[0].lstrip("+~") in per_leg for o in args.overrides):
+        p.error(f"{', '.join(per_leg)} are set per leg by this script (the mesh: --mesh)")
+    try:
+        mesh_overrides(args.mesh, args.nproc)
+    except ValueError as error:
+        p.error(str(error))
     try:
         run = validate(load_config(args.overrides))
     except Exception as error:  # a bad override: one line naming it, before any job starts
         p.error(f"overrides: {error}")
 
     results = [scale_variant(v, args, run.train.micro_batch_size, run.data.seq_len) for v in names]
-    report = {"nproc": args.nproc, "overrides": args.overrides, "steps": args.steps,
+    report = {"nproc": args.nproc, "mesh": args.mesh, "overrides": args.overrides, "steps": args.steps,
               "throughput_steps": args.throughput_steps, "warmup": args.warmup, "window": args.window,
               "tolerance": args.tolerance, "first_step_rtol": args.first_step_rtol,
               "min_efficiency": args.min_efficiency, "date": time.strftime("%Y-%m-%d"),
@@ -218,7 +243,7 @@ def main() -> None:
     if args.plot:
         gpu = report["software"]["gpu"] or "CPU"
         plot(args.plot, results, args.nproc, args.window,
-             f"{gpu} × {args.nproc} vs 1, {report['date']}: {' '.join(args.overrides)}")
+             f"{gpu} × {args.nproc} ({args.mesh}) vs 1, {report['date']}: {' '.join(args.overrides)}")
     print_table(results, args.nproc)
     passed = all("error" not in r and all(r[k]["ok"] for k in CHECKS) for r in results)
     sys.exit(0 if passed else 1)

@@ -1,4 +1,5 @@
-"""scripts/bench_scaling.py on CPU (gloo): 1 vs 2 processes, a 2-process checkpoint resumed on 1."""
+"""scripts/bench_scaling.py on CPU (gloo): 1 vs 2 processes (replicated: --mesh 2x1), a 2-process
+checkpoint resumed on 1."""
 
 import json
 import subprocess
@@ -24,9 +25,12 @@ def bench(out: Path, *options: str, overrides: list[str] = TRAIN) -> subprocess.
 def test_scaling_legs_checks_and_rerun(tmp_path):
     out = tmp_path / "scaling"
     # No timing threshold in a test: the efficiency check is switched off here.
-    proc = bench(out, "--min-efficiency", "0", "--plot", str(tmp_path / "loss.png"))
+    proc = bench(out, "--min-efficiency", "0", "--mesh", "2x1", "--plot", str(tmp_path / "loss.png"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "bench_scaling.json").read_text())
+    assert report["mesh"] == "2x1"
+    for leg in ("throughput_2", "loss_2"):
+        assert "2 × cpu (replicate 2)" in (out / "eager" / leg / "train.log").read_text()
     (eager,) = report["variants"]
     assert set(eager["throughput"]["tokens_per_s_per_device"]) == {"1", "2"}
     assert sorted(map(int, eager["losses"]["loss_1"])) == list(range(1, 9))
@@ -42,10 +46,17 @@ def test_scaling_legs_checks_and_rerun(tmp_path):
     assert (tmp_path / "loss.png").stat().st_size > 10_000
 
     # A second call finds every leg complete and only re-evaluates: here a check that fails.
-    proc = bench(out, "--min-efficiency", "1000")
+    proc = bench(out, "--min-efficiency", "1000", "--mesh", "2x1")
     assert proc.returncode == 1
     assert proc.stdout.count("complete, not run again") == 5
     assert "throughput FAILED" in proc.stdout.splitlines()[-1]
+
+
+def test_a_mesh_that_does_not_fit_is_refused_before_any_job(tmp_path):
+    proc = bench(tmp_path / "scaling", "--mesh", "3x1")
+    assert proc.returncode == 2
+    assert "--mesh 3x1: give full, auto or RxS with R·S = --nproc 2" in proc.stderr
+    assert not (tmp_path / "scaling").exists()
 
 
 def test_bad_override_is_named_before_any_job(tmp_path):

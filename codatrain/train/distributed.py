@@ -19,6 +19,7 @@ class DistInfo:
     local_rank: int
     world_size: int
     device: torch.device
+    local_world_size: int = 1  # processes on this node (torchrun's LOCAL_WORLD_SIZE)
 
     @property
     def is_main(self) -> bool:
@@ -49,7 +50,10 @@ def init_distributed(device_name: str) -> DistInfo:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
     if dist.is_initialized():
-        return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), device)
+        world_size = dist.get_world_size()
+        # Without torchrun's variable (a process group made otherwise), all processes are one node.
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        return DistInfo(dist.get_rank(), local_rank, world_size, device, local_world_size)
     return DistInfo(0, 0, 1, device)
 
 

@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from codatrain.model.layout import CanonicalModel
+from codatrain.train.plan import DataParallelMesh
 
 
 def _replace_block(model: nn.Module, block: nn.Module, new: nn.Module) -> None:
@@ -38,12 +39,27 @@ def apply_compile(model: CanonicalModel) -> None:
         block.compile(fullgraph=False)
 
 
-def data_parallel_mesh(device: torch.device, world_size: int) -> DeviceMesh:
-    return init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
+def device_mesh(device: torch.device, mesh: DataParallelMesh) -> DeviceMesh:
+    """The processes as FSDP2's mesh: 1-D over every process for full sharding, else 2-D
+    (dp_replicate, dp_shard), on which `fully_shard` shards along dp_shard and replicates along
+    dp_replicate (HSDP: reduce-scatter within a replica group, then all-reduce across groups)."""
+    if mesh.replicate == 1:
+        return init_device_mesh(device.type, (mesh.shard,), mesh_dim_names=("dp_shard",))
+    return init_device_mesh(device.type, (mesh.replicate, mesh.shard),
+                            mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+def data_parallel_rank(mesh: DeviceMesh) -> int:
+    """This process's place among the data-parallel processes: replica · dp_shard + shard. The
+    loaders split the batches by it."""
+    if mesh.ndim == 1:
+        return mesh.get_local_rank()
+    return mesh.get_local_rank("dp_replicate") * mesh.size(1) + mesh.get_local_rank("dp_shard")
 
 
 def apply_fsdp(model: CanonicalModel, mesh: DeviceMesh, compute_dtype: torch.dtype) -> None:
-    """fully_shard each block, then the root (embedding, final norm, head and the rest).
+    """fully_shard each block, then the root (embedding, final norm, head and the rest), over
+    `mesh` (`device_mesh`: 1-D shards, 2-D shards and replicates).
 
     Below fp32 (bf16 on a GPU) the policy computes in `compute_dtype` with fp32 master weights and
     fp32 gradient reduction.

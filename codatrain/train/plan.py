@@ -13,13 +13,54 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from codatrain.config import RunConfig
+from codatrain.config import AUTO_REPLICATE, ParallelConfig, RunConfig
 from codatrain.data.config import DataConfig
 from codatrain.kernels.cache import KernelShapes
 from codatrain.kernels.resolve import ResolvedBlock, resolve_block
 from codatrain.model.config import LlamaConfig
 from codatrain.train.float8 import float8_problem
 from codatrain.train.hf_io import run_model_config, run_tokenizer
+
+
+@dataclass(frozen=True)
+class DataParallelMesh:
+    """dp_replicate × dp_shard processes (config.ParallelConfig): FSDP2 shards over dp_shard and
+    replicates over dp_replicate. A process's data-parallel rank is replica · dp_shard + shard,
+    which is its global rank (the mesh lays the ranks out replica by replica)."""
+
+    replicate: int
+    shard: int
+
+    @property
+    def size(self) -> int:
+        return self.replicate * self.shard
+
+    def describe(self) -> str:
+        if self.replicate == 1:
+            return "full shard"
+        if self.shard == 1:
+            return f"replicate {self.replicate}"
+        return f"HSDP {self.replicate} replicas × {self.shard} shards"
+
+
+def data_parallel_mesh(cfg: ParallelConfig, world_size: int, local_world_size: int) -> DataParallelMesh:
+    """The degrees of `cfg` on `world_size` processes, `local_world_size` of them per node: auto
+    replicates once per node; dp_shard=-1 takes the processes dp_replicate leaves. Degrees whose
+    product is not the world size are a ValueError naming the keys and the numbers."""
+    if cfg.dp_replicate == AUTO_REPLICATE:
+        if world_size % local_world_size:
+            raise ValueError(f"parallel.dp_replicate=auto needs the same number of processes on every node: "
+                             f"{world_size} processes are not a multiple of {local_world_size} per node")
+        replicate = world_size // local_world_size
+    else:
+        replicate = int(cfg.dp_replicate)
+    shard = cfg.dp_shard if cfg.dp_shard != -1 else world_size // replicate
+    if replicate * shard != world_size:
+        raise ValueError(
+            f"parallel.dp_replicate × parallel.dp_shard = {replicate} × {shard} = {replicate * shard}, "
+            f"but the job has {world_size} processes"
+        )
+    return DataParallelMesh(replicate, shard)
 
 
 @dataclass(frozen=True)
@@ -34,6 +75,7 @@ class RunPlan:
     compute_dtype: torch.dtype
     device: str  # the device type, or "sm_90 target" for a plan without a device
     world_size: int
+    mesh: DataParallelMesh
     tokens_per_step: int
     grad_accum: int  # micro-batches per optimizer step and process
 
@@ -43,10 +85,11 @@ class RunPlan:
         dtype = str(self.compute_dtype).removeprefix("torch.")
         optim = run.optim  # the model config's recipe, with any overrides
         clip = f"{optim.grad_clip:g}" if optim.grad_clip > 0 else "off"
+        mesh = f" ({self.mesh.describe()})" if self.world_size > 1 else ""
         return [
             f"codatrain | block={self.block.describe()} | {run.model.preset}: "
             f"{cfg.num_params() / 1e6:.1f}M params, {cfg.flops_per_token(self.data.seq_len) / 1e9:.3f} "
-            f"GFLOP/token | {self.world_size} × {self.device} | seq {self.data.seq_len} × micro-batch "
+            f"GFLOP/token | {self.world_size} × {self.device}{mesh} | seq {self.data.seq_len} × micro-batch "
             f"{run.train.micro_batch_size} × accum {self.grad_accum} = {self.tokens_per_step} tokens/step "
             f"| {dtype}{'' if run.train.float8 == 'none' else f' + float8 {run.train.float8} (torchao)'}",
             f"recipe: AdamW lr {optim.lr:g}, {optim.warmup_steps} warmup steps, {optim.schedule} to "
@@ -56,10 +99,13 @@ class RunPlan:
         ]
 
 
-def build_run_plan(run: RunConfig, device: torch.device | None, world_size: int = 1) -> RunPlan:
-    """The plan of `run` on `world_size` processes of `device`. `device` None plans for the
-    precompile target, an sm_90 GPU, without touching one (and one process: tokens per step that
-    fit N processes fit one). Raises ValueError naming the key for a batch that does not divide."""
+def build_run_plan(run: RunConfig, device: torch.device | None, world_size: int = 1,
+                   local_world_size: int | None = None) -> RunPlan:
+    """The plan of `run` on `world_size` processes of `device`, `local_world_size` per node (default:
+    one node). `device` None plans for the precompile target, an sm_90 GPU, without touching one
+    (and one process: tokens per step that fit N processes fit one). Raises ValueError naming the
+    key for a batch that does not divide or a mesh that does not fit the processes."""
+    mesh = data_parallel_mesh(run.parallel, world_size, local_world_size or world_size)
     model_cfg = run_model_config(run)
     tokenizer, tokenizer_line = run_tokenizer(run)
     data = replace(run.data, tokenizer=tokenizer)
@@ -92,5 +138,5 @@ def build_run_plan(run: RunConfig, device: torch.device | None, world_size: int 
         kernel_shapes=shapes,
         compute_dtype=torch.bfloat16 if gpu else torch.float32,
         device="sm_90 target" if device is None else device.type, world_size=world_size,
-        tokens_per_step=tokens_per_step, grad_accum=tokens_per_step // tokens_per_micro_step,
+        mesh=mesh, tokens_per_step=tokens_per_step, grad_accum=tokens_per_step // tokens_per_micro_step,
     )

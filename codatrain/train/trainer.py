@@ -16,6 +16,7 @@ from codatrain.config import RunConfig, validate
 from codatrain.data import build_loaders
 from codatrain.kernels.stages import IGNORE_INDEX
 from codatrain.model import build_model
+from codatrain.train.attempts import Attempt, sigterm_raises
 from codatrain.train.canonical_state import init_weights
 from codatrain.train.checkpoint import CHECKPOINTS_DIR, checkpoint_dirs
 from codatrain.train.checkpointer import Checkpointer
@@ -41,7 +42,8 @@ from codatrain.train.parallelize import (
     apply_activation_checkpointing,
     apply_compile,
     apply_fsdp,
-    data_parallel_mesh,
+    data_parallel_rank,
+    device_mesh,
     reshard_after_eval,
 )
 from codatrain.train.plan import build_run_plan
@@ -87,7 +89,7 @@ class Trainer:
         # loads them): point the CuTeDSL kernels at kernels.cache_dir, then rebuild it (or fail,
         # kernels.on_stale) when it was not built for this run and software.
         self.kernel_cache = KernelCache(run.kernels.cache_dir, dist_info)
-        self.plan = plan = build_run_plan(run, device, dist_info.world_size)
+        self.plan = plan = build_run_plan(run, device, dist_info.world_size, dist_info.local_world_size)
         self.kernel_cache.ensure(plan.kernel_shapes, run.kernels.on_stale)
         self.model_cfg = plan.model_cfg
         self.tokens_per_step, self.grad_accum = plan.tokens_per_step, plan.grad_accum
@@ -102,9 +104,13 @@ class Trainer:
             apply_activation_checkpointing(model)
         if tcfg.compile:
             apply_compile(model)
+        # The loaders and validation split the batches by the data-parallel rank; with data
+        # parallelism only, the data-parallel processes are all the processes.
+        self.dp_rank, self.dp_size = 0, 1
         if dist_info.is_distributed:
-            mesh = data_parallel_mesh(device, dist_info.world_size)
+            mesh = device_mesh(device, plan.mesh)
             apply_fsdp(model, mesh, plan.compute_dtype)
+            self.dp_rank, self.dp_size = data_parallel_rank(mesh), plan.mesh.size
         model.to_empty(device=device)
         init_weights(model, tcfg.seed)
         self.model = model
@@ -114,7 +120,7 @@ class Trainer:
         self.optimizer = build_optimizer(model, run.optim, device)
         self.scheduler = build_scheduler(self.optimizer, run.optim, tcfg.steps)
         self.train_data, self.val_data = build_loaders(
-            plan.data, tcfg.micro_batch_size, dist_info.rank, dist_info.world_size, tcfg.seed,
+            plan.data, tcfg.micro_batch_size, self.dp_rank, self.dp_size, tcfg.seed,
             device,
             max_seq_len=self.model_cfg.max_seq_len, model_vocab_size=self.model_cfg.vocab_size,
         )
@@ -155,8 +161,9 @@ class Trainer:
         local_targets = sum((batch.targets != IGNORE_INDEX).sum() for batch in micro_batches)
         # A step without any target gives a zero loss and zero gradients rather than 0 / 0.
         step_targets = all_reduce_sum(local_targets).clamp(min=1)
-        # FSDP2 averages gradients over ranks; the world size turns that average into the sum.
-        scale = self.dist.world_size / step_targets
+        # FSDP2 averages gradients over the data-parallel processes (both dimensions of an HSDP
+        # mesh); their number turns that average into the sum.
+        scale = self.dp_size / step_targets
         loss_sum = torch.zeros((), device=self.dist.device)
         for batch in micro_batches:
             with self._autocast():
@@ -176,15 +183,15 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean loss per target token over the first `val_batches` batches of the held-out data,
         counted over all ranks together: the same batches each time, whatever the number of
-        processes. Rank r takes batches r, r + world_size, ... (the loader's split); every rank runs
-        the same number of forwards (FSDP2 gathers collectively), and one past the last batch leaves
-        its loss out."""
-        wanted, world_size = self.run.train.val_batches, self.dist.world_size
+        processes. Data-parallel rank r takes batches r, r + dp_size, ... (the loader's split);
+        every rank runs the same number of forwards (FSDP2 gathers collectively), and one past the
+        last batch leaves its loss out."""
+        wanted, dp_size = self.run.train.val_batches, self.dp_size
         loss_sum, targets = torch.zeros((), device=self.dist.device), torch.zeros((), device=self.dist.device)
-        for i, batch in enumerate(itertools.islice(self.val_data, math.ceil(wanted / world_size))):
+        for i, batch in enumerate(itertools.islice(self.val_data, math.ceil(wanted / dp_size))):
             with self._autocast():
                 loss = self.model(batch.inputs, batch.targets, doc_ids=batch.doc_ids, reduction="sum")
-            if i * world_size + self.dist.rank < wanted:
+            if i * dp_size + self.dp_rank < wanted:
                 loss_sum += loss
                 targets += (batch.targets != IGNORE_INDEX).sum()
         reshard_after_eval(self.model)
@@ -333,13 +340,21 @@ def train(cfg: DictConfig) -> TrainResult:
     dist_info = init_distributed(run.train.device)
     try:
         # One job per run directory, from before anything is read or written there.
-        with RunDirLock(run.train.run_dir, dist_info.is_main):
-            trainer = Trainer(run, dist_info)
+        with RunDirLock(run.train.run_dir, dist_info.is_main), sigterm_raises():
+            attempt, trainer = Attempt(run.train.run_dir, dist_info), None
             try:
+                trainer = Trainer(run, dist_info)
+                if attempt.previous:  # a restart after a process died, or a relaunch after a failure
+                    trainer.logger.info(f"restart: {attempt.previous}; resuming from step {trainer.step}")
                 result = trainer.fit()
                 barrier()  # no rank tears the process group down while another still talks to it
+            except BaseException as error:
+                attempt.end(trainer.step if trainer else 0, error)
+                raise
             finally:
-                trainer.close()
+                if trainer:
+                    trainer.close()
+            attempt.end(trainer.step, None)
         return result
     finally:
         shutdown_distributed()

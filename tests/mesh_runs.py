@@ -1,0 +1,36 @@
+"""Several training runs one after another in the same torchrun processes, so a multi-process test
+pays torchrun's start-up and the imports once:
+
+    torchrun --nproc_per_node=4 tests/mesh_runs.py '[["parallel.dp_replicate=2", ...], ...]'
+
+Each item is a list of config overrides (as for scripts/train.py); each run builds its `Trainer`
+on the one process group (`init_distributed`), with its own mesh, and writes its run dir as a job
+of scripts/train.py would. `tests/test_hsdp.py` reads the runs' metrics.
+"""
+
+import json
+import sys
+
+from codatrain.config import load_config, validate
+from codatrain.train.distributed import barrier, init_distributed, shutdown_distributed
+from codatrain.train.trainer import Trainer
+
+
+def main(runs: list[list[str]]) -> None:
+    dist_info = None
+    try:
+        for overrides in runs:
+            run = validate(load_config(overrides))
+            dist_info = dist_info or init_distributed(run.train.device)
+            trainer = Trainer(run, dist_info)
+            try:
+                trainer.fit()
+            finally:
+                trainer.close()
+            barrier()
+    finally:
+        shutdown_distributed()
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
