@@ -88,7 +88,7 @@ def precompile_script(*args: str) -> subprocess.CompletedProcess:
     # The cute QKV GEMM has no bias or QK-norm epilogue yet (issue: Qwen2.5, Qwen3 and Mistral).
     (["model.family=qwen2", "model.qkv_bias=true"],
      r"^model.qkv_bias=true does not run on block.backend=cute: its QKV GEMM has no epilogue for a QKV "
-     r"bias yet; use block.backend=reference or block.impl=eager$"),
+     r"bias yet; use block.backend=reference or block=eager$"),
 ])
 def test_widths_the_kernels_cannot_take_are_refused_before_anything_compiles(overrides, refusal):
     """A width that is not whole 16-byte rows (or a head dim FA4 lacks) is named, with the nearest

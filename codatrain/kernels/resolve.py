@@ -67,7 +67,7 @@ class ResolvedBlock:
             for key, on, what in (("qkv_bias", qkv_bias, "a QKV bias"), ("qk_norm", qk_norm, "a QK-norm")):
                 if on:
                     return (f"model.{key}=true does not run on block.backend=cute: its QKV GEMM has no "
-                            f"epilogue for {what} yet; use block.backend=reference or block.impl=eager")
+                            f"epilogue for {what} yet; use block.backend=reference or block=eager")
         if self.fa4 and head_dim not in FA4_HEAD_DIMS:
             correct = ", ".join(map(str, FA4_HEAD_DIMS))
             return (f"model.head_dim={head_dim} does not run on block.attention=fa4, which is correct at "
