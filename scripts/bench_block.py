@@ -517,6 +517,68 @@ def ablate(x: Inputs, device: torch.device, stages: list[str], warmup: int, iter
     return results
 
 
+def fp8_fns(s: StageBackend, x: Inputs) -> dict[str, dict[str, Callable]]:
+    """Per FP8 forward stage (block.precision=fp8): the stage, cuBLAS's FP8 GEMM of its shape with
+    per-tensor and with per-row scales (`torch._scaled_mm`, the same fp32 accumulation, no fast
+    accumulation), and the bf16 stage. The quantize rows time the one pass over an activation
+    that no epilogue writes in FP8, against a bf16 copy of it."""
+    from codatrain.kernels.cute import fp8_stages, quantize
+
+    e4m3 = torch.float8_e4m3fn
+
+    def fp8(t: torch.Tensor) -> torch.Tensor:
+        return (t.float() * (448 / t.float().abs().amax())).to(e4m3)
+
+    one = torch.ones((), device=x.x.device)
+    h8, o8, y8 = fp8(x.h), fp8(x.attn_out), fp8(x.y)
+    w_o8, w_gu8, w_down8, w_qkv8 = fp8(x.w_o), fp8(x.w_gu), fp8(x.w_down), fp8(x.w_qkv)
+
+    def scaled_mm(a8: torch.Tensor, w8: torch.Tensor) -> dict[str, Callable]:
+        rows = torch.ones(a8.shape[0], 1, device=a8.device)
+        cols = torch.ones(1, w8.shape[0], device=a8.device)
+        return {
+            "_scaled_mm tensorwise": lambda: torch._scaled_mm(a8, w8.t(), one, one, out_dtype=torch.bfloat16),
+            "_scaled_mm rowwise": lambda: torch._scaled_mm(a8, w8.t(), rows, cols, out_dtype=torch.bfloat16),
+        }
+
+    def residual_rms(a8: torch.Tensor, w8: torch.Tensor) -> Callable:
+        outs = fp8_stages.fp8_gemm_residual_rms_outputs(a8, w8, x.x, e4m3)
+        return lambda: fp8_stages.fp8_gemm_residual_rms(a8, w8, one, x.x, x.gamma, one, *outs)
+
+    preact, y, o = torch.empty_like(x.preact), torch.empty_like(x.y), torch.empty_like(x.attn_out)
+    qkv = torch.empty_like(x.qkv)
+    rope = gemm_stages_rope_args(x)
+    y_out = quantize.quantize_fp8_outputs(x.y, e4m3)
+    o_out = quantize.quantize_fp8_outputs(x.attn_out, e4m3)
+    return {
+        "F1 out-proj + residual + x² → h FP8": {
+            "stage": residual_rms(o8, w_o8), **scaled_mm(o8, w_o8),
+            "bf16 stage": lambda: s.gemm_residual_rms(x.attn_out, x.w_o, x.x, x.gamma)},
+        "F2 gate/up · rstd + SwiGLU": {
+            "stage": lambda: fp8_stages.fp8_gemm_rstd_swiglu(h8, w_gu8, one, x.rstd, preact, y),
+            **scaled_mm(h8, w_gu8), "bf16 stage": lambda: s.gemm_rstd_swiglu(x.h, x.w_gu, x.rstd)},
+        "F3 down-proj + residual + x² → h FP8": {
+            "stage": residual_rms(y8, w_down8), **scaled_mm(y8, w_down8),
+            "bf16 stage": lambda: s.gemm_residual_rms(x.y, x.w_down, x.x, x.gamma)},
+        "F4 QKV · rstd + RoPE": {
+            "stage": lambda: fp8_stages.fp8_gemm_rstd_rope(h8, w_qkv8, one, x.rstd, x.positions, qkv, *rope),
+            **scaled_mm(h8, w_qkv8),
+            "bf16 stage": lambda: s.gemm_rstd_rope(x.h, x.w_qkv, x.rstd, x.positions, **x.rope)},
+        "quantize y (M × F)": {
+            "stage": lambda: quantize.quantize_fp8(x.y, one, *y_out), "bf16 copy": lambda: y.copy_(x.y)},
+        "quantize attention output": {
+            "stage": lambda: quantize.quantize_fp8(x.attn_out, one, *o_out),
+            "bf16 copy": lambda: o.copy_(x.attn_out)},
+    }
+
+
+def gemm_stages_rope_args(x: Inputs) -> tuple:
+    """The head_dim, rope_heads and `rope_args` of the FP8 F4 custom op for `x`'s model."""
+    from codatrain.kernels.cute.gemm_stages import rope_args
+
+    return (x.cfg.head_dim, x.cfg.n_heads + x.cfg.n_kv_heads, *rope_args(x.cfg.rope))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--impl", default="cute", help="stage backend to time: cute | reference | auto")
@@ -535,10 +597,11 @@ def main() -> None:
                    help="split these cute stages' cost over cuBLAS into QuACK's plain GEMM, its GEMM + C "
                         "and the epilogue, at each stage's own config (none: the layer stages)")
     p.add_argument("--sections", nargs="*", default=["stages", "layer", "fwd_bwd"],
-                   choices=["stages", "layer", "fwd_bwd", "head"],
+                   choices=["stages", "layer", "fwd_bwd", "head", "fp8"],
                    help="stages: every stage alone; layer: attention and the layer forward; "
                         "fwd_bwd: the layer forward + backward against eager, compile and the floor; "
                         "head: the training LM head forward + backward against its peers and floor; "
+                        "fp8: the FP8 forward stages against cuBLAS's FP8 GEMM and the bf16 stages; "
                         "none: only --sweep / --ablate")
     p.add_argument("--head-chunks", type=int, nargs="+",
                    help="head section: chunk rows to time (default: the backend's head_chunk_rows)")
@@ -619,6 +682,16 @@ def main() -> None:
             print(f"{name:30s} {ms:9.3f} {ms / floor:9.3f} {peaks.get(name, float('nan')):9.2f}")
         for name, error in failed.items():
             print(f"{name:30s} failed: {error}")
+    if "fp8" in args.sections:
+        results["fp8"] = {}
+        print(f"\nFP8 forward stages ({args.model}, M={args.tokens}; ratios to the first _scaled_mm or copy)")
+        for name, fns in fp8_fns(s, x).items():
+            times = dict(zip(fns, median_ms(list(fns.values()), device, warmup=args.warmup, iters=args.iters),
+                             strict=True))
+            results["fp8"][name] = times
+            base = next(ms for key, ms in times.items() if key != "stage")
+            parts = (f"{key} {ms:.3f} ms ({ms / base:.3f}x)" for key, ms in times.items())
+            print(f"{name:40s} " + "  ".join(parts), flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

@@ -1,0 +1,132 @@
+"""The FP8 forward GEMM stages of the CODA block (block.precision=fp8) on QuACK's SM90 GEMM.
+
+Operands are per-tensor scaled FP8 (data ≈ x·scale, docs/design.md §3 "FP8"): the GEMM multiplies
+the FP8 values with fp32 accumulation and the epilogue multiplies the sum by `ab_inv_scale` =
+1/(s_a·s_b), a 0-d fp32 device tensor, so a delayed scale never crosses to the host.
+
+The mainloop is QuACK's own FP8 path, which adds the WGMMA accumulator into an fp32 register copy
+after every k-tile (no fast accumulation). Its speed depends on the tile: in the 128×128
+cooperative tiles below it runs at cuBLAS's per-tensor-scaled FP8 speed (`_scaled_mm`, same
+accumulation) at every Llama layer shape measured; pingpong tiles hold two accumulators per
+thread and spill (docs/benchmarks.md, "FP8 GEMMs").
+
+Producers write the next GEMM's operand in FP8 in their epilogue, with the scale they are given,
+and the per-column-tile max |value| partials of what they quantized (the amax the delayed scaling
+records).
+"""
+
+from __future__ import annotations
+
+import cutlass.cute as cute
+import torch
+from quack.activation import swiglu
+from quack.dsl.torch_library_op import cute_op
+from quack.epilogue.frontend import gemm_epilogue, pack, unpack
+from quack.epilogue.ops import ColVecLoad, ColVecReduce, RowVecLoad, Scalar
+from torch import Tensor
+
+from codatrain.kernels.cute.configs import sm90_config
+from codatrain.kernels.cute.gemm_stages import rope_freq
+from codatrain.kernels.cute.pins import sincos_turns
+
+# Cooperative 128×128 tiles: one fp32 accumulator and its promoted copy fit in registers.
+FP8_CONFIG = sm90_config(128, 128, pingpong=False, cluster_m=2, cluster_n=1)
+
+
+def fp8_column_tiles(n: int) -> int:
+    """Column tiles of an FP8 stage over an output of width `n` (its per-tile partials)."""
+    return -(-n // FP8_CONFIG.tile_n)
+
+
+@gemm_epilogue(
+    outputs=("resid_out",),
+    ops={"gamma": RowVecLoad("gamma"), "ab_inv_scale": Scalar("ab_inv_scale"),
+         "h_scale": Scalar("h_scale")},
+    reduces={"sqsum": ColVecReduce("sqsum", scaled=True), "amax": ColVecReduce("amax", combine="max_abs")},
+)
+def fp8_residual_rms_epi(acc, c, gamma, ab_inv_scale, h_scale):
+    """F1/F3 on FP8 operands: x = acc/(s_a·s_b) + C in ``resid_out``, D = h·s_h with h = x⊙γ
+    (stored in D's FP8 format, saturating), per-tile partials of x² and of max |h|."""
+    x = acc * ab_inv_scale + c
+    h = x * gamma
+    return {"D": h * h_scale, "resid_out": x, "sqsum": (x, x), "amax": h}
+
+
+@cute_op("codatrain::cute_fp8_gemm_residual_rms", mutates_args=("x", "h", "sq_partials", "amax_partials"),
+         device_types="cuda")
+def fp8_gemm_residual_rms(
+    a: Tensor, weight: Tensor, ab_inv_scale: Tensor, residual: Tensor, gamma: Tensor, h_scale: Tensor,
+    x: Tensor, h: Tensor, sq_partials: Tensor, amax_partials: Tensor,
+) -> None:
+    """x = residual + (a·Wᵀ)/(s_a·s_b), h = FP8(x ⊙ γ · h_scale), sq_partials and amax_partials
+    (M, fp8_column_tiles) fp32 of x² and max |x ⊙ γ|. a (M, K) and weight (N, K) FP8."""
+    fp8_residual_rms_epi(
+        a, weight.t(), residual, out={"D": h, "resid_out": x}, config=FP8_CONFIG, tuned=False, gamma=gamma,
+        ab_inv_scale=ab_inv_scale, h_scale=h_scale, sqsum=sq_partials, amax=amax_partials,
+    )
+
+
+def fp8_gemm_residual_rms_outputs(a: Tensor, weight: Tensor, residual: Tensor, h_dtype: torch.dtype):
+    """Allocated outputs (x, h, sq_partials, amax_partials) of `fp8_gemm_residual_rms`."""
+    m, n = a.shape[0], weight.shape[0]
+    tiles = fp8_column_tiles(n)
+    return (torch.empty_like(residual), torch.empty(m, n, dtype=h_dtype, device=a.device),
+            torch.empty(m, tiles, dtype=torch.float32, device=a.device),
+            torch.empty(m, tiles, dtype=torch.float32, device=a.device))
+
+
+# F2 stores y in 16 bits: on sm_90 QuACK writes the half-width (gated) output of an acc_pair
+# epilogue only in 16-bit types, so y reaches FP8 through `quantize.quantize_fp8`.
+@gemm_epilogue(
+    outputs=("postact",),
+    ops={"rstd": ColVecLoad("rstd"), "ab_inv_scale": Scalar("ab_inv_scale")},
+    mode="acc_pair",
+)
+def fp8_rstd_swiglu_epi(acc, rstd, ab_inv_scale):
+    """F2 on FP8 operands: preact = rstd ⊙ acc/(s_a·s_b) in D (gate/up interleaved), y = silu(g)·u
+    in ``postact``."""
+    g, u = unpack(acc * (rstd * ab_inv_scale))
+    return {"D": pack(g, u), "postact": swiglu(g, u)}
+
+
+@cute_op("codatrain::cute_fp8_gemm_rstd_swiglu", mutates_args=("preact", "y"), device_types="cuda")
+def fp8_gemm_rstd_swiglu(
+    h: Tensor, weight: Tensor, ab_inv_scale: Tensor, rstd: Tensor, preact: Tensor, y: Tensor
+) -> None:
+    """preact = rstd ⊙ (h·Wᵀ)/(s_h·s_w) and y = silu(g)·u, h (M, d) and weight (2F, d) FP8."""
+    fp8_rstd_swiglu_epi(
+        h, weight.t(), out={"D": preact, "postact": y}, config=FP8_CONFIG, tuned=False, rstd=rstd,
+        ab_inv_scale=ab_inv_scale,
+    )
+
+
+@gemm_epilogue(
+    ops={"pos": ColVecLoad("pos"), "freq": RowVecLoad("freq"), "rstd": ColVecLoad("rstd"),
+         "ab_inv_scale": Scalar("ab_inv_scale")},
+    mode="acc_pair",
+)
+def fp8_rstd_rope_epi(acc, pos, freq, rstd, ab_inv_scale):
+    """F4 on FP8 operands: QuACK's `rstd_rope_posfreq_epi` (rows scaled by rstd, adjacent pairs
+    rotated by pos·freq turns, the angle as a float-float sum) with the sum scaled by 1/(s_a·s_b)."""
+    x1, x2 = unpack(acc * (rstd * ab_inv_scale))
+    fh, fl = unpack(freq)
+    t = pos * fh
+    lo = cute.math.fma(pos, fl, cute.math.fma(pos, fh, -t))
+    s, c = sincos_turns(t, lo)
+    return {"D": pack(x1 * c - x2 * s, x1 * s + x2 * c)}
+
+
+@cute_op("codatrain::cute_fp8_gemm_rstd_rope", mutates_args=("qkv",), device_types="cuda")
+def fp8_gemm_rstd_rope(
+    h: Tensor, weight: Tensor, ab_inv_scale: Tensor, rstd: Tensor, positions: Tensor, qkv: Tensor,
+    head_dim: int, rope_heads: int, rope_theta: float, rope_type: str, rope_factor: float,
+    rope_low_freq_factor: float, rope_high_freq_factor: float, rope_original_max_positions: int,
+) -> None:
+    """qkv = rope(rstd ⊙ (h·Wᵀ)/(s_h·s_w)), h (M, d) and weight (N_qkv, d) FP8; the rope_*
+    arguments as in `gemm_stages.gemm_rstd_rope`."""
+    freq = rope_freq(head_dim, rope_heads, weight.shape[0], h.device, rope_theta, rope_type, rope_factor,
+                     rope_low_freq_factor, rope_high_freq_factor, rope_original_max_positions)
+    fp8_rstd_rope_epi(
+        h, weight.t(), out={"D": qkv}, config=FP8_CONFIG, tuned=False, pos=positions.to(torch.float32),
+        freq=freq, rstd=rstd, ab_inv_scale=ab_inv_scale,
+    )

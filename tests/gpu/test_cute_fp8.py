@@ -1,0 +1,159 @@
+"""The FP8 forward stages (block.precision=fp8) and the FP8 quantize pass, on an sm_90 GPU.
+
+Criteria. Outputs in 16 bits: the project's (cute_check.py): error against the reference stage run
+in fp32 on the dequantized FP8 operands at most twice that of the reference run in bf16. Outputs in
+FP8: dequantized, error against the fp32 truth at most twice FP8's own error, the error of
+quantizing the truth itself with the same scale (a kernel that rounds each value to the nearest
+FP8 value, as `torch.Tensor.to` does, has ratio 1). The quantize pass must equal torch's
+saturating cast bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+    pytest.skip("the cute kernels need an sm_90 GPU", allow_module_level=True)
+pytest.importorskip("quack")
+
+from cute_check import (  # noqa: E402
+    DEVICE,
+    ROPES,
+    SHAPES,
+    Shape,
+    check,
+    gamma,
+    positions,
+    randn,
+    rel_err,
+    rstd_of,
+    staged,
+)
+
+from codatrain.kernels.cute import fp8_stages, quantize  # noqa: E402
+from codatrain.kernels.cute.gemm_stages import rope_args  # noqa: E402
+from codatrain.kernels.stages import get_backend  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+@pytest.fixture(params=SHAPES, ids=lambda s: s.name)
+def shape(request) -> Shape:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return get_backend("reference", DEVICE)
+
+
+def saturate(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x·scale in fp32, clamped to the format's range, rounded to it (torch's cast is not saturating)."""
+    limit = torch.finfo(dtype).max
+    return (x.float() * scale).clamp(-limit, limit).to(dtype)
+
+
+def to_fp8(t: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
+    """t as an FP8 operand scaled to its own amax: (data, 0-d fp32 scale)."""
+    scale = torch.finfo(dtype).max / t.float().abs().amax()
+    return saturate(t, scale, dtype), scale
+
+
+def dequantize(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return data.float() / scale
+
+
+def check_fp8(name: str, out: torch.Tensor, scale: torch.Tensor, truth: torch.Tensor) -> None:
+    """FP8 `out` (scale `scale`) against the fp32 `truth`, within twice FP8's own error."""
+    assert out.dtype in (E4M3, E5M2) and out.shape == truth.shape, f"{name}: {out.dtype} {tuple(out.shape)}"
+    assert not torch.isnan(out.float()).any(), f"{name}: NaN (unwritten)"
+    err = rel_err(dequantize(out, scale), truth)
+    own = rel_err(dequantize(saturate(truth, scale, out.dtype), scale), truth)
+    print(f"{name}: cute {err:.3e}  FP8's own {own:.3e}")
+    assert err <= 2 * own, f"{name}: error {err:.3e} > 2 × FP8's own {own:.3e}"
+
+
+def nan_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An output buffer poisoned with NaN, so an element the kernel does not write cannot pass."""
+    return torch.full(t.shape, float("nan"), device=t.device).to(dtype or t.dtype)
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_quantize_fp8(shape, fmt, use_compile):
+    x = randn(shape.tokens, shape.ffn_dim)
+    x[::97, ::13] *= 40  # outliers past the scale's range saturate
+    scale = torch.finfo(fmt).max / (x.float().abs().amax() / 8)
+
+    def run(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out, row_amax = quantize.quantize_fp8_outputs(x, fmt)
+        quantize.quantize_fp8(x, scale, out, row_amax)
+        return out, row_amax
+
+    out, row_amax = staged(run, use_compile)(x, scale)
+    expected = saturate(x, scale, fmt)
+    assert (expected.float().abs() == torch.finfo(fmt).max).any(), "the test saturates nothing"
+    mismatch = (out.view(torch.uint8) != expected.view(torch.uint8)).sum().item()
+    assert mismatch == 0, f"{mismatch} of {out.numel()} values differ from torch's saturating cast"
+    torch.testing.assert_close(row_amax, x.float().abs().amax(1), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("gemm", ["out_proj", "down_proj"])
+def test_fp8_gemm_residual_rms(ref, shape, gemm, use_compile):
+    k = shape.n_heads * shape.head_dim if gemm == "out_proj" else shape.ffn_dim
+    (a8, sa), (w8, sw) = to_fp8(randn(shape.tokens, k)), to_fp8(randn(shape.dim, k, scale=k**-0.5))
+    residual, g = randn(shape.tokens, shape.dim), gamma(shape.dim)
+    a, w = dequantize(a8, sa), dequantize(w8, sw)
+    bf16 = ref.gemm_residual_rms(a.bfloat16(), w.bfloat16(), residual, g)
+    fp32 = ref.gemm_residual_rms(a, w, residual.float(), g.float())
+    h_scale = 448 / (fp32.h.abs().amax() * 1.25)  # a delayed scale: some headroom
+
+    def run(a8, w8, ab_inv_scale, residual, g, h_scale):
+        outs = fp8_stages.fp8_gemm_residual_rms_outputs(a8, w8, residual, E4M3)
+        x, h, sq, amax = (nan_like(t) for t in outs)
+        fp8_stages.fp8_gemm_residual_rms(a8, w8, ab_inv_scale, residual, g, h_scale, x, h, sq, amax)
+        return x, h, sq, amax
+
+    x, h8, sq, amax = staged(run, use_compile)(a8, w8, 1 / (sa * sw), residual, g, h_scale)
+    check("x", x, bf16.x, fp32.x)
+    check_fp8("h", h8, h_scale, fp32.h)
+    check("sum(sq_partials)", sq.sum(-1), bf16.sq_partials.sum(-1), fp32.sq_partials.sum(-1))
+    torch.testing.assert_close(amax.amax(), fp32.h.abs().amax(), rtol=1e-5, atol=0)
+
+
+def test_fp8_gemm_rstd_swiglu(ref, shape, use_compile):
+    (h8, sh), (w8, sw) = to_fp8(randn(shape.tokens, shape.dim)), to_fp8(randn(2 * shape.ffn_dim, shape.dim))
+    rstd = rstd_of(shape.tokens)
+    h, w = dequantize(h8, sh), dequantize(w8, sw)
+    bf16 = ref.gemm_rstd_swiglu(h.bfloat16(), w.bfloat16(), rstd)
+    fp32 = ref.gemm_rstd_swiglu(h, w, rstd)
+
+    def run(h8, w8, ab_inv_scale, rstd):
+        preact = nan_like(fp32.preact, torch.bfloat16)
+        y = nan_like(fp32.y, torch.bfloat16)
+        fp8_stages.fp8_gemm_rstd_swiglu(h8, w8, ab_inv_scale, rstd, preact, y)
+        return preact, y
+
+    preact, y = staged(run, use_compile)(h8, w8, 1 / (sh * sw), rstd)
+    check("preact", preact, bf16.preact, fp32.preact)
+    check("y", y, bf16.y, fp32.y)
+
+
+@pytest.mark.parametrize("rope", list(ROPES))
+def test_fp8_gemm_rstd_rope(ref, shape, rope, use_compile):
+    (h8, sh), (w8, sw) = to_fp8(randn(shape.tokens, shape.dim)), to_fp8(randn(shape.qkv_dim, shape.dim))
+    rstd, pos = rstd_of(shape.tokens), positions(shape)
+    h, w = dequantize(h8, sh), dequantize(w8, sw)
+    kwargs = dict(head_dim=shape.head_dim, rope_heads=shape.n_heads + shape.n_kv_heads, rope=ROPES[rope])
+    bf16 = ref.gemm_rstd_rope(h.bfloat16(), w.bfloat16(), rstd, pos, **kwargs)
+    fp32 = ref.gemm_rstd_rope(h, w, rstd, pos, **kwargs)
+    args = (kwargs["head_dim"], kwargs["rope_heads"], *rope_args(ROPES[rope]))
+
+    def run(h8, w8, ab_inv_scale, rstd, pos):
+        qkv = nan_like(fp32, torch.bfloat16)
+        fp8_stages.fp8_gemm_rstd_rope(h8, w8, ab_inv_scale, rstd, pos, qkv, *args)
+        return qkv
+
+    check("qkv", staged(run, use_compile)(h8, w8, 1 / (sh * sw), rstd, pos), bf16, fp32)
