@@ -572,6 +572,52 @@ def fp8_fns(s: StageBackend, x: Inputs) -> dict[str, dict[str, Callable]]:
     }
 
 
+FP8_CANDIDATES = [(128, 128, 2, 1), (128, 128, 1, 2), (128, 192, 2, 1), (128, 192, 1, 2), (128, 256, 2, 1),
+                  (256, 128, 1, 2)]  # cooperative (tile_m, tile_n, cluster_m, cluster_n)
+
+
+def overridden_call(key: str, config: object, fn: Callable) -> Callable:
+    """`fn` run with cute GEMM stage `key` under `config`."""
+    from codatrain.kernels.cute import configs
+
+    def call() -> object:
+        with configs.overridden(key, config):
+            return fn()
+
+    return call
+
+
+def fp8_sweep(s: StageBackend, x: Inputs, device: torch.device, warmup: int, iters: int) -> dict:
+    """Each FP8 GEMM stage under each cooperative candidate tile (`FP8_CANDIDATES`), timed
+    interleaved with the stage's `_scaled_mm` tensorwise; a candidate that fails is reported."""
+    from codatrain.kernels.cute import configs
+
+    keys = {"F1": "fp8_residual_rms", "F2": "fp8_rstd_swiglu", "F3": "fp8_residual_rms",
+            "F4": "fp8_rstd_rope"}
+    results = {}
+    for name, fns in fp8_fns(s, x).items():
+        stage = name.split()[0]
+        if stage not in keys:
+            continue
+        timed = {"_scaled_mm tensorwise": fns["_scaled_mm tensorwise"]}
+        for tm, tn, cm, cn in FP8_CANDIDATES:
+            config = configs.sm90_config(tm, tn, pingpong=False, cluster_m=cm, cluster_n=cn)
+            timed[f"{tm}x{tn} c{cm}x{cn}"] = overridden_call(keys[stage], config, fns["stage"])
+        for label, call in list(timed.items())[1:]:
+            try:
+                call()
+            except Exception as exc:  # a tile that does not fit is a result
+                print(f"fp8 sweep {stage} {label} failed: {type(exc).__name__}"[:200])
+                del timed[label]
+        ms = median_ms(list(timed.values()), device, warmup=warmup, iters=iters)
+        times = dict(zip(timed, ms, strict=True))
+        base = times["_scaled_mm tensorwise"]
+        ratios = "  ".join(f"{k} {t / base:.3f}x" for k, t in times.items())
+        print(f"fp8 sweep {stage:3s} {ratios}", flush=True)
+        results[name] = times
+    return results
+
+
 def gemm_stages_rope_args(x: Inputs) -> tuple:
     """The head_dim, rope_heads and `rope_args` of the FP8 F4 custom op for `x`'s model."""
     from codatrain.kernels.cute.gemm_stages import rope_args
@@ -605,6 +651,8 @@ def main() -> None:
                         "none: only --sweep / --ablate")
     p.add_argument("--head-chunks", type=int, nargs="+",
                    help="head section: chunk rows to time (default: the backend's head_chunk_rows)")
+    p.add_argument("--fp8-sweep", action="store_true",
+                   help="fp8 section: also time each FP8 GEMM stage under candidate cooperative tiles")
     p.add_argument("--json", type=Path, help="write the measurements to this file")
     args = p.parse_args()
     if args.tokens % args.seq_len:
@@ -692,6 +740,8 @@ def main() -> None:
             base = next(ms for key, ms in times.items() if key != "stage")
             parts = (f"{key} {ms:.3f} ms ({ms / base:.3f}x)" for key, ms in times.items())
             print(f"{name:40s} " + "  ".join(parts), flush=True)
+        if args.fp8_sweep:
+            results["fp8_sweep"] = fp8_sweep(s, x, device, args.warmup, args.iters)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

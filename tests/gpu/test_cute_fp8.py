@@ -87,12 +87,13 @@ def test_quantize_fp8(shape, fmt, use_compile):
     x[::97, ::13] *= 40  # outliers past the scale's range saturate
     scale = torch.finfo(fmt).max / (x.float().abs().amax() / 8)
 
-    def run(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out, row_amax = quantize.quantize_fp8_outputs(x, fmt)
+    out, row_amax = (nan_like(t) for t in quantize.quantize_fp8_outputs(x, fmt))
+
+    def run(x, scale, out, row_amax):
         quantize.quantize_fp8(x, scale, out, row_amax)
         return out, row_amax
 
-    out, row_amax = staged(run, use_compile)(x, scale)
+    out, row_amax = staged(run, use_compile)(x, scale, out, row_amax)
     expected = saturate(x, scale, fmt)
     assert (expected.float().abs() == torch.finfo(fmt).max).any(), "the test saturates nothing"
     mismatch = (out.view(torch.uint8) != expected.view(torch.uint8)).sum().item()
@@ -110,17 +111,19 @@ def test_fp8_gemm_residual_rms(ref, shape, gemm, use_compile):
     fp32 = ref.gemm_residual_rms(a, w, residual.float(), g.float())
     h_scale = 448 / (fp32.h.abs().amax() * 1.25)  # a delayed scale: some headroom
 
-    def run(a8, w8, ab_inv_scale, residual, g, h_scale):
-        outs = fp8_stages.fp8_gemm_residual_rms_outputs(a8, w8, residual, E4M3)
-        x, h, sq, amax = (nan_like(t) for t in outs)
+    # Outputs poisoned outside the compiled call (Triton cannot fill an FP8 tensor).
+    outs = [nan_like(t) for t in fp8_stages.fp8_gemm_residual_rms_outputs(a8, w8, residual, E4M3)]
+
+    def run(a8, w8, ab_inv_scale, residual, g, h_scale, x, h, sq, amax):
         fp8_stages.fp8_gemm_residual_rms(a8, w8, ab_inv_scale, residual, g, h_scale, x, h, sq, amax)
         return x, h, sq, amax
 
-    x, h8, sq, amax = staged(run, use_compile)(a8, w8, 1 / (sa * sw), residual, g, h_scale)
+    x, h8, sq, amax = staged(run, use_compile)(a8, w8, 1 / (sa * sw), residual, g, h_scale, *outs)
     check("x", x, bf16.x, fp32.x)
     check_fp8("h", h8, h_scale, fp32.h)
     check("sum(sq_partials)", sq.sum(-1), bf16.sq_partials.sum(-1), fp32.sq_partials.sum(-1))
-    torch.testing.assert_close(amax.amax(), fp32.h.abs().amax(), rtol=1e-5, atol=0)
+    # fp32 sums of the same products in another order: agreement to ~1e-5 relative.
+    torch.testing.assert_close(amax.amax(), fp32.h.abs().amax(), rtol=1e-4, atol=0)
 
 
 def test_fp8_gemm_rstd_swiglu(ref, shape, use_compile):

@@ -5,8 +5,8 @@ the FP8 values with fp32 accumulation and the epilogue multiplies the sum by `ab
 1/(s_a·s_b), a 0-d fp32 device tensor, so a delayed scale never crosses to the host.
 
 The mainloop is QuACK's own FP8 path, which adds the WGMMA accumulator into an fp32 register copy
-after every k-tile (no fast accumulation). Its speed depends on the tile: in the 128×128
-cooperative tiles below it runs at cuBLAS's per-tensor-scaled FP8 speed (`_scaled_mm`, same
+after every k-tile (no fast accumulation). Its speed depends on the tile: in 128×128 cooperative
+tiles (configs.py) it runs at cuBLAS's per-tensor-scaled FP8 speed (`_scaled_mm`, same
 accumulation) at every Llama layer shape measured; pingpong tiles hold two accumulators per
 thread and spill (docs/benchmarks.md, "FP8 GEMMs").
 
@@ -25,17 +25,14 @@ from quack.epilogue.frontend import gemm_epilogue, pack, unpack
 from quack.epilogue.ops import ColVecLoad, ColVecReduce, RowVecLoad, Scalar
 from torch import Tensor
 
-from codatrain.kernels.cute.configs import sm90_config
+from codatrain.kernels.cute.configs import gemm_config
 from codatrain.kernels.cute.gemm_stages import rope_freq
 from codatrain.kernels.cute.pins import sincos_turns
 
-# Cooperative 128×128 tiles: one fp32 accumulator and its promoted copy fit in registers.
-FP8_CONFIG = sm90_config(128, 128, pingpong=False, cluster_m=2, cluster_n=1)
-
 
 def fp8_column_tiles(n: int) -> int:
-    """Column tiles of an FP8 stage over an output of width `n` (its per-tile partials)."""
-    return -(-n // FP8_CONFIG.tile_n)
+    """Column tiles of the FP8 F1/F3 stage over an output of width `n` (its per-tile partials)."""
+    return -(-n // gemm_config("fp8_residual_rms").tile_n)
 
 
 @gemm_epilogue(
@@ -61,8 +58,9 @@ def fp8_gemm_residual_rms(
     """x = residual + (a·Wᵀ)/(s_a·s_b), h = FP8(x ⊙ γ · h_scale), sq_partials and amax_partials
     (M, fp8_column_tiles) fp32 of x² and max |x ⊙ γ|. a (M, K) and weight (N, K) FP8."""
     fp8_residual_rms_epi(
-        a, weight.t(), residual, out={"D": h, "resid_out": x}, config=FP8_CONFIG, tuned=False, gamma=gamma,
-        ab_inv_scale=ab_inv_scale, h_scale=h_scale, sqsum=sq_partials, amax=amax_partials,
+        a, weight.t(), residual, out={"D": h, "resid_out": x}, config=gemm_config("fp8_residual_rms"),
+        tuned=False, gamma=gamma, ab_inv_scale=ab_inv_scale, h_scale=h_scale, sqsum=sq_partials,
+        amax=amax_partials,
     )
 
 
@@ -95,8 +93,8 @@ def fp8_gemm_rstd_swiglu(
 ) -> None:
     """preact = rstd ⊙ (h·Wᵀ)/(s_h·s_w) and y = silu(g)·u, h (M, d) and weight (2F, d) FP8."""
     fp8_rstd_swiglu_epi(
-        h, weight.t(), out={"D": preact, "postact": y}, config=FP8_CONFIG, tuned=False, rstd=rstd,
-        ab_inv_scale=ab_inv_scale,
+        h, weight.t(), out={"D": preact, "postact": y}, config=gemm_config("fp8_rstd_swiglu"), tuned=False,
+        rstd=rstd, ab_inv_scale=ab_inv_scale,
     )
 
 
@@ -127,6 +125,6 @@ def fp8_gemm_rstd_rope(
     freq = rope_freq(head_dim, rope_heads, weight.shape[0], h.device, rope_theta, rope_type, rope_factor,
                      rope_low_freq_factor, rope_high_freq_factor, rope_original_max_positions)
     fp8_rstd_rope_epi(
-        h, weight.t(), out={"D": qkv}, config=FP8_CONFIG, tuned=False, pos=positions.to(torch.float32),
-        freq=freq, rstd=rstd, ab_inv_scale=ab_inv_scale,
+        h, weight.t(), out={"D": qkv}, config=gemm_config("fp8_rstd_rope"), tuned=False,
+        pos=positions.to(torch.float32), freq=freq, rstd=rstd, ab_inv_scale=ab_inv_scale,
     )

@@ -50,8 +50,10 @@ class QuantizeKernel:
         row, _, _ = cute.arch.block_idx()
         smem = cutlass.utils.SmemAllocator()
         num_warps = const_expr(self.num_threads // cute.arch.WARP_SIZE)
-        reduction_buffer = smem.allocate_tensor(
-            Float32, cute.make_layout((1, (num_warps, 1))), byte_alignment=8
+        # One cross-warp buffer per reduction: the second may start while warps still read the first.
+        max_buffer, min_buffer = (
+            smem.allocate_tensor(Float32, cute.make_layout((1, (num_warps, 1))), byte_alignment=8)
+            for _ in range(2)
         )
 
         tiler = (self.tile_n,)
@@ -73,8 +75,8 @@ class QuantizeKernel:
         copy_masked(get_copy_atom(self.out_dtype, self.vec), tOr, tOg, tCol, self.n, self.steps)
 
         # max |x| as max(max x, −min x): zero-filled tail vectors are neutral for both.
-        high = row_reduce(x, cute.ReductionOp.MAX, self.num_threads, reduction_buffer, init_val=-Float32.inf)
-        low = row_reduce(x, cute.ReductionOp.MIN, self.num_threads, reduction_buffer, init_val=Float32.inf)
+        high = row_reduce(x, cute.ReductionOp.MAX, self.num_threads, max_buffer, init_val=-Float32.inf)
+        low = row_reduce(x, cute.ReductionOp.MIN, self.num_threads, min_buffer, init_val=Float32.inf)
         if tidx == 0:
             mAmax[row] = cute.arch.fmax(high, -low)
 
