@@ -28,7 +28,8 @@ from codatrain.model.config import LlamaConfig
 def main(shapes: KernelShapes) -> dict:
     started = time.time()
     cfg = LlamaConfig(dim=shapes.dim, n_layers=2, n_heads=shapes.n_heads, n_kv_heads=shapes.n_kv_heads,
-                      ffn_dim=shapes.ffn_dim, vocab_size=shapes.vocab_size)
+                      ffn_dim=shapes.ffn_dim, vocab_size=shapes.vocab_size,
+                      family="qwen2" if shapes.qkv_bias else "llama", qkv_bias=shapes.qkv_bias)
     # The head's check of its loss is a host sync, which fake tensors cannot answer: the job's
     # usual answer (the rerun's kernels are compiled by the same spec). Its SM count only sizes
     # an output; its scaled-exp glue is Triton's, which a CPU cannot even trace.

@@ -40,6 +40,7 @@ CODA_KERNELS = ["block=coda", "block.backend=cute", "block.attention=fa4"]
 CUDA_EXTRAS = ("cutlass", "quack", "flash_attn", "triton")
 # A vocabulary that is not a multiple of 8, and an F1 and F3 that tile differently (K ≤ N and K > N).
 ODD_SHAPES = ["model.vocab_size=509", "model.dim=384", "model.ffn_dim=1024"]
+QKV_BIAS = ["model.family=qwen2", "model.qkv_bias=true"]
 
 
 def run_config(overrides: list[str]):
@@ -85,10 +86,10 @@ def precompile_script(*args: str) -> subprocess.CompletedProcess:
     (["model.dim=640", "model.n_heads=8", "model.n_kv_heads=2"],
      r"^model.head_dim=80 does not run on block.attention=fa4, which is "
      r"correct at head dims 32, 64, 96, 128, 160, 192, 224, 256; block.attention=sdpa takes any$"),
-    # The cute QKV GEMM has no bias or QK-norm epilogue yet (issue: Qwen2.5, Qwen3 and Mistral).
-    (["model.family=qwen2", "model.qkv_bias=true"],
-     r"^model.qkv_bias=true does not run on block.backend=cute: its QKV GEMM has no epilogue for a QKV "
-     r"bias yet; use block.backend=reference or block=eager$"),
+    # The cute QKV GEMM has no QK-norm epilogue yet (issue: Qwen2.5, Qwen3 and Mistral).
+    (["model.family=qwen3", "model.qk_norm=true"],
+     r"^model.qk_norm=true does not run on block.backend=cute: its QKV GEMM has no epilogue for a "
+     r"QK-norm yet; use block.backend=reference or block=eager$"),
 ])
 def test_widths_the_kernels_cannot_take_are_refused_before_anything_compiles(overrides, refusal):
     """A width that is not whole 16-byte rows (or a head dim FA4 lacks) is named, with the nearest
@@ -112,6 +113,8 @@ def test_shapes_of_a_run_config():
     # Document masking swaps FA4 for its varlen kernels; the stages stay the same.
     documents = shapes_of([*CODA_KERNELS, "data.keep_document_boundaries=true"])
     assert documents.documents and documents.key == f"{shapes.key} documents"
+    # A QKV bias swaps in the bias variants of F4 and the RoPE backward.
+    assert shapes_of([*CODA_KERNELS, *QKV_BIAS]).key == f"{shapes.key} qkv_bias"
     cute_sdpa = ["block=coda", "block.backend=cute", "block.attention=sdpa"]
     assert shapes_of([*cute_sdpa, "data.keep_document_boundaries=true"]).key == shapes_of(cute_sdpa).key
     # No CuTeDSL kernel: the eager block, the reference stages with SDPA, `auto` on a CPU.
@@ -180,12 +183,13 @@ def test_script_check_and_nothing_to_compile(tmp_path):
     not all(importlib.util.find_spec(name) for name in CUDA_EXTRAS),
     reason="needs the cuda extras (nvidia-cutlass-dsl, quack-kernels, flash-attn-4) and triton",
 )
-@pytest.mark.parametrize("widths", [[], ODD_SHAPES], ids=["tiny", "odd-shapes"])
+@pytest.mark.parametrize("widths", [[], ODD_SHAPES, QKV_BIAS], ids=["tiny", "odd-shapes", "qkv-bias"])
 def test_precompile_tiny_for_sm90a(tmp_path, widths):
-    """The tiny config, and the same with a vocabulary that is not a multiple of 8 (its LM head pads
+    """The tiny config; the same with a vocabulary that is not a multiple of 8 (its LM head pads
     the logits rows; unpadded, the cross-entropy kernel stopped the build with a compiler error) and
     an out-projection and down-projection that tile differently (F1 and F3 leave different numbers
-    of x² partials). A micro-step of the model on fake tensors then finds every kernel it launches
+    of x² partials); and with a QKV bias (Qwen2: the bias variants of F4 and the RoPE backward).
+    A micro-step of the model on fake tensors then finds every kernel it launches
     in the cache (tests/fake_job.py): a precompiled job compiles nothing."""
     proc = precompile_script("model=tiny", *widths, f"kernels.cache_dir={tmp_path}", "--jobs", "2")
     assert proc.returncode == 0, proc.stderr[-5000:]

@@ -74,8 +74,8 @@ class KernelShapes:
     compile for any M), which parts of the block run as CuTeDSL kernels: `stages` (the CODA
     stages on the cute backend) and `fa4` (attention), as `codatrain.kernels.resolve` resolved
     them, and `documents` (data.keep_document_boundaries: FA4 runs its variable-length kernels
-    instead; the stages do not change). Depth does not matter: every layer launches the same
-    kernels.
+    instead; the stages do not change), and `qkv_bias` (the QKV GEMM and the RoPE backward take
+    their bias variants). Depth does not matter: every layer launches the same kernels.
     """
 
     dim: int
@@ -89,6 +89,7 @@ class KernelShapes:
     stages: bool = True
     fa4: bool = True
     documents: bool = False
+    qkv_bias: bool = False
 
     @property
     def any(self) -> bool:
@@ -102,6 +103,8 @@ class KernelShapes:
             f"ffn{self.ffn_dim}", f"vocab{self.vocab_size}", f"batch{self.batch}x{self.seq_len}",
         ]
         parts += [name for name in ("stages", "fa4") if getattr(self, name)]
+        if self.stages and self.qkv_bias:
+            parts.append("qkv_bias")
         if self.fa4 and self.documents:
             parts.append("documents")
         return " ".join(parts)

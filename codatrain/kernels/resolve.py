@@ -51,9 +51,9 @@ class ResolvedBlock:
         as varlen offsets rather than flex_attention's block mask."""
         return self.attention == "fa4"
 
-    def unsupported_model(self, dim: int, ffn_dim: int, head_dim: int, *, qkv_bias: bool = False,
+    def unsupported_model(self, dim: int, ffn_dim: int, head_dim: int, *,
                           qk_norm: bool = False) -> str | None:
-        """Why this block's kernels cannot run a model of these widths and attention epilogues
+        """Why this block's kernels cannot run a model of these widths and QK-norm
         (one line naming the key, and the nearest widths or the block that run it), or None when
         they can. Any vocabulary runs."""
         if self.cute_stages:
@@ -63,11 +63,10 @@ class ResolvedBlock:
                     nearest = f"{below} or {below + ROW_MULTIPLE}" if below else str(ROW_MULTIPLE)
                     return (f"{key}={width} does not run on block.backend=cute: its kernels move rows in "
                             f"16-byte units, so it must be a multiple of {ROW_MULTIPLE} (nearest: {nearest})")
-            # The cute QKV GEMM has neither epilogue yet; the reference stages compute both.
-            for key, on, what in (("qkv_bias", qkv_bias, "a QKV bias"), ("qk_norm", qk_norm, "a QK-norm")):
-                if on:
-                    return (f"model.{key}=true does not run on block.backend=cute: its QKV GEMM has no "
-                            f"epilogue for {what} yet; use block.backend=reference or block=eager")
+            # The cute QKV GEMM has no QK-norm epilogue yet; the reference stages compute it.
+            if qk_norm:
+                return ("model.qk_norm=true does not run on block.backend=cute: its QKV GEMM has no "
+                        "epilogue for a QK-norm yet; use block.backend=reference or block=eager")
         if self.fa4 and head_dim not in FA4_HEAD_DIMS:
             correct = ", ".join(map(str, FA4_HEAD_DIMS))
             return (f"model.head_dim={head_dim} does not run on block.attention=fa4, which is correct at "

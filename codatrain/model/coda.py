@@ -483,8 +483,7 @@ class CodaLlama(nn.Module):
             raise ValueError(f"{block} was resolved without a device: it names the kernels but holds none")
         self.cfg, self.block = cfg, block
         self.stages, self.attention_fn = block.stages, block.attention_fn
-        problem = block.unsupported_model(cfg.dim, cfg.ffn_dim, cfg.head_dim, qkv_bias=cfg.qkv_bias,
-                                          qk_norm=cfg.qk_norm)
+        problem = block.unsupported_model(cfg.dim, cfg.ffn_dim, cfg.head_dim, qk_norm=cfg.qk_norm)
         if problem:
             raise ValueError(problem)
         self.entry = CodaEntry(cfg)

@@ -72,6 +72,21 @@ def test_rope_bwd(backends, shape, use_compile, rope):
     assert torch.equal(out.dz[:, v_cols], args[0][:, v_cols])
 
 
+def test_rope_bwd_with_bias(backends, shape, use_compile):
+    """Qwen2's QKV bias: zdz excludes it (Σ (z − b)·dz), and its gradient is Σ_m dz."""
+    cute, ref = backends
+    args = (randn(shape.tokens, shape.qkv_dim), randn(shape.tokens, shape.qkv_dim), positions(shape))
+    bias = randn(shape.qkv_dim)
+    out = staged(cute.rope_bwd, use_compile)(*args, **rope_kwargs(shape, "llama3"), bias=bias)
+    bf16 = ref.rope_bwd(*args, **rope_kwargs(shape, "llama3"), bias=bias)
+    fp32 = ref.rope_bwd(args[0].float(), args[1].float(), args[2], **rope_kwargs(shape, "llama3"),
+                        bias=bias.float())
+    check("dz", out.dz, bf16.dz, fp32.dz)
+    check("zdz", out.zdz, bf16.zdz, fp32.zdz)
+    check("bias_grad", staged(cute.bias_grad, use_compile)(out.dz), ref.bias_grad(bf16.dz),
+          ref.bias_grad(fp32.dz))
+
+
 @pytest.mark.parametrize("head_dim", [80, 104])
 def test_rope_bwd_at_head_dims(backends, head_dim, use_compile):
     shape = Shape(f"hd{head_dim}", 600, 300, 5 * head_dim, 5, 1, head_dim, 1024, 1000)

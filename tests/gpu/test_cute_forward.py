@@ -141,6 +141,20 @@ def test_gemm_rstd_rope(backends, shape, use_compile, rope):
     check("qkv", out, bf16, fp32)
 
 
+def test_gemm_rstd_rope_with_bias(backends, shape, use_compile):
+    """Qwen2's QKV bias, added after the row scale and before the rotation."""
+    cute, ref = backends
+    args = (randn(shape.tokens, shape.dim), randn(shape.qkv_dim, shape.dim, scale=shape.dim**-0.5),
+            rstd_of(shape.tokens), positions(shape))
+    kwargs = dict(head_dim=shape.head_dim, rope_heads=shape.n_heads + shape.n_kv_heads, rope=ROPES["llama3"],
+                  bias=randn(shape.qkv_dim))
+    out = staged(cute.gemm_rstd_rope, use_compile)(*args, **kwargs)
+    bf16 = ref.gemm_rstd_rope(*args, **kwargs)
+    fp32 = ref.gemm_rstd_rope(*(a.float() if a.is_floating_point() else a for a in args),
+                              **{**kwargs, "bias": kwargs["bias"].float()})
+    check("qkv", out, bf16, fp32)
+
+
 def test_gemm_rstd(backends, shape, use_compile):
     cute, ref = backends
     rows = min(shape.tokens, 2048)  # full logits are M × V; a slice of rows covers the tiles

@@ -139,6 +139,10 @@ ODD_CASES = {
                           rope_theta=10000.0), 1, 129, "fa4"),
     "hd160-vocab151": (LlamaConfig(dim=640, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=1712, vocab_size=151,
                                    rope_theta=10000.0), 2, 100, "fa4"),
+    # Qwen2's QKV bias: F4's bias epilogue, the RoPE backward's bias term and the bias gradient.
+    "qwen2-qkv-bias": (LlamaConfig(dim=512, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=1368,
+                                   vocab_size=1000, rope_theta=10000.0, family="qwen2", qkv_bias=True),
+                       2, 150, "fa4"),
     # A head dim FA4 gets wrong (resolve.FA4_HEAD_DIMS): the cute stages with SDPA, as `auto` picks.
     "hd80-sdpa": (LlamaConfig(dim=640, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=1712, vocab_size=151,
                               rope_theta=10000.0), 2, 100, "sdpa"),

@@ -102,11 +102,12 @@ class CuteStages(StageBackend):
         head_dim: int,
         rope_heads: int,
         rope: Rope,
+        bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        _check_activations("gemm_rstd_rope", h, weight)
+        _check_activations("gemm_rstd_rope", h, weight, *([] if bias is None else [bias]))
         qkv = empty(h.shape[0], weight.shape[0], like=h)
         gemm_stages.gemm_rstd_rope(
-            h, weight, rstd, positions, qkv, head_dim, rope_heads, *gemm_stages.rope_args(rope)
+            h, weight, rstd, positions, bias, qkv, head_dim, rope_heads, *gemm_stages.rope_args(rope)
         )
         return qkv
 
@@ -169,14 +170,19 @@ class CuteStages(StageBackend):
         head_dim: int,
         rope_heads: int,
         rope: Rope,
+        bias: torch.Tensor | None = None,
     ) -> RopeBwdOut:
-        _check_activations("rope_bwd", dqkv, qkv)
+        _check_activations("rope_bwd", dqkv, qkv, *([] if bias is None else [bias]))
         out = RopeBwdOut(empty(*dqkv.shape, like=dqkv), empty(dqkv.shape[0], like=dqkv, dtype=STAT))
         rowwise.rope_bwd(
-            dqkv.contiguous(), qkv.contiguous(), positions, *out, head_dim, rope_heads,
+            dqkv.contiguous(), qkv.contiguous(), positions, bias, *out, head_dim, rope_heads,
             *gemm_stages.rope_args(rope),
         )
         return out
+
+    def bias_grad(self, dz: torch.Tensor) -> torch.Tensor:
+        # One column-sum pass over dz (M × N_qkv), in fp32.
+        return dz.sum(0, dtype=STAT)
 
     def row_dot(self, z: torch.Tensor, dz: torch.Tensor) -> torch.Tensor:
         _check_activations("row_dot", z, dz)

@@ -146,6 +146,8 @@ def forward_kernels(s: KernelShapes) -> list[KernelSpec]:
         return []
     st, m, d, vocab = CuteStages(), _tokens(s), s.dim, s.vocab_size
     rope = {"head_dim": s.head_dim, "rope_heads": s.n_heads + s.n_kv_heads, "rope": _ANY_ROPE}
+    if s.qkv_bias:
+        rope["bias"] = _act(_qkv_dim(s))
 
     def out_proj():
         return st.gemm_residual_rms(_act(m, _q_dim(s)), _act(d, _q_dim(s)), _act(m, d), _act(d))
@@ -196,7 +198,10 @@ def backward_kernels(s: KernelShapes) -> list[KernelSpec]:
             ),
         ),
         # rope_bwd and row_dot launch the same row-wise kernel, with and without the rotation.
-        KernelSpec("RoPE backward + ZdZ", lambda: rowwise.compile_row_dot(_cute(ACT), _qkv_dim(s), True)),
+        KernelSpec(
+            "RoPE backward + ZdZ",
+            lambda: rowwise.compile_row_dot(_cute(ACT), _qkv_dim(s), True, s.qkv_bias),
+        ),
         KernelSpec(
             "row dot, ZdZ of the full-logits head",
             lambda: rowwise.compile_row_dot(_cute(ACT), s.vocab_size, False),

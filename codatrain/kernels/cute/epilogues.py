@@ -7,9 +7,10 @@ from QuACK as they are:
 
 - F1/F3 `quack.epilogue.library.rms_partial_epi`: D = (acc + C)·γ, aux ``resid_out`` = acc + C,
   per-column-tile partial sums of (acc + C)².
-- F4 `quack.epilogue.rotary.rstd_rope_posfreq_epi`: rows scaled by rstd, then adjacent pairs
-  rotated by angle pos·freq, with sin/cos computed in the epilogue from a per-row position and a
-  per-column frequency (zero frequency on the v columns, so they pass through unrotated).
+- F4 `quack.epilogue.rotary.rstd_rope_posfreq_epi` (with a QKV bias: `rstd_bias_rope_epi` here):
+  rows scaled by rstd, then adjacent pairs rotated by angle pos·freq, with sin/cos computed in the
+  epilogue from a per-row position and a per-column frequency (zero frequency on the v columns, so
+  they pass through unrotated).
 - dSwiGLU `quack.epilogue.library.dswiglu_dpreact_mod`: acc = dy, C = the (scaled) pre-activation
   pairs (g, u); D = (dg, du) interleaved, ``postact`` = silu(g)·u, ``dsum`` = Σ g·dg + u·du, which
   is exactly the stage API's zdz because the stage API keeps the rstd-scaled pre-activation.
@@ -21,6 +22,7 @@ function source and everything it references to key its kernel cache.
 
 from __future__ import annotations
 
+import cutlass.cute as cute
 from quack.activation import swiglu
 from quack.epilogue.frontend import gemm_epilogue, pack, unpack
 from quack.epilogue.ops import (
@@ -32,6 +34,8 @@ from quack.epilogue.ops import (
     TileLoad,
 )
 
+from codatrain.kernels.cute.pins import sincos_turns
+
 
 @gemm_epilogue(outputs=("postact",), ops={"rstd": ColVecLoad("rstd")}, mode="acc_pair")
 def rstd_swiglu_epi(acc, rstd):
@@ -42,6 +46,23 @@ def rstd_swiglu_epi(acc, rstd):
     keeps rstd ⊙ (h·Wᵀ) so that the backward does not need rstd again."""
     g, u = unpack(acc * rstd)
     return {"D": pack(g, u), "postact": swiglu(g, u)}
+
+
+@gemm_epilogue(
+    ops={"pos": ColVecLoad("pos"), "freq": RowVecLoad("freq"), "rstd": ColVecLoad("rstd"),
+         "bias": RowVecLoad("bias")},
+    mode="acc_pair",
+)
+def rstd_bias_rope_epi(acc, pos, freq, rstd, bias):
+    """F4 with a QKV bias (Qwen2): QuACK's `rstd_rope_posfreq_epi` with the bias added after the
+    row scale and before the rotation: z = rstd ⊙ acc + bias, then adjacent pairs rotated by
+    pos·freq turns (the angle as a float-float sum, as QuACK forms it)."""
+    x1, x2 = unpack(acc * rstd + bias)
+    fh, fl = unpack(freq)
+    t = pos * fh
+    lo = cute.math.fma(pos, fl, cute.math.fma(pos, fh, -t))
+    s, c = sincos_turns(t, lo)
+    return {"D": pack(x1 * c - x2 * s, x1 * s + x2 * c)}
 
 
 @gemm_epilogue(ops={"rstd": ColVecLoad("rstd")})

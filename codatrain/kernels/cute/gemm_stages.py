@@ -20,9 +20,14 @@ from quack.epilogue.rotary import make_interleaved_inv_freq, rstd_rope_posfreq_e
 from quack.rms_final_reduce import rms_final_reduce
 from torch import Tensor
 
-from codatrain.kernels.cute.common import empty
+from codatrain.kernels.cute.common import aligned16, empty
 from codatrain.kernels.cute.configs import gemm_config
-from codatrain.kernels.cute.epilogues import rstd_epi, rstd_lse_target_epi, rstd_swiglu_epi
+from codatrain.kernels.cute.epilogues import (
+    rstd_bias_rope_epi,
+    rstd_epi,
+    rstd_lse_target_epi,
+    rstd_swiglu_epi,
+)
 from codatrain.kernels.stages import Rope, RopeType, rope_inv_freq
 
 
@@ -108,25 +113,22 @@ def rope_freq(head_dim: int, rope_heads: int, n: int, device: torch.device, *rop
 
 @cute_op("codatrain::cute_gemm_rstd_rope", mutates_args=("qkv",), device_types="cuda")
 def gemm_rstd_rope(
-    h: Tensor, weight: Tensor, rstd: Tensor, positions: Tensor, qkv: Tensor, head_dim: int, rope_heads: int,
-    rope_theta: float, rope_type: str, rope_factor: float, rope_low_freq_factor: float,
-    rope_high_freq_factor: float, rope_original_max_positions: int,
+    h: Tensor, weight: Tensor, rstd: Tensor, positions: Tensor, bias: Tensor | None, qkv: Tensor,
+    head_dim: int, rope_heads: int, rope_theta: float, rope_type: str, rope_factor: float,
+    rope_low_freq_factor: float, rope_high_freq_factor: float, rope_original_max_positions: int,
 ) -> None:
-    """qkv = rope(rstd ⊙ (h·Wᵀ)) on adjacent pairs of the first rope_heads heads; the rope_*
-    arguments are `rope_args` of the model's `Rope`."""
+    """qkv = rope(rstd ⊙ (h·Wᵀ) [+ bias]) on adjacent pairs of the first rope_heads heads; the
+    rope_* arguments are `rope_args` of the model's `Rope`."""
     freq = rope_freq(head_dim, rope_heads, weight.shape[0], h.device, rope_theta, rope_type, rope_factor,
                      rope_low_freq_factor, rope_high_freq_factor, rope_original_max_positions)
-    rstd_rope_posfreq_epi(
-        h,
-        weight.t(),
-        out={"D": qkv},
-        config=gemm_config("rstd_rope"),
-        tuned=False,
-        # Positions are exact in fp32 up to 2^24; the epilogue forms the angle in float-float.
-        pos=positions.to(torch.float32),
-        freq=freq,
-        rstd=rstd,
-    )
+    # Positions are exact in fp32 up to 2^24; the epilogue forms the angle in float-float.
+    operands = {"pos": positions.to(torch.float32), "freq": freq, "rstd": rstd}
+    if bias is None:
+        rstd_rope_posfreq_epi(h, weight.t(), out={"D": qkv}, config=gemm_config("rstd_rope"), tuned=False,
+                              **operands)
+    else:
+        rstd_bias_rope_epi(h, weight.t(), out={"D": qkv}, config=gemm_config("rstd_rope"), tuned=False,
+                           bias=aligned16(bias), **operands)
 
 
 # ---- LM head: GEMM · rstd (logits), or · rstd + LSE + target logit (loss) ---------------------

@@ -28,7 +28,7 @@ from quack.dsl.torch_library_op import cute_op
 from quack.reduce import row_reduce
 from torch import Tensor
 
-from codatrain.kernels.cute.common import RowTiling, copy_masked
+from codatrain.kernels.cute.common import RowTiling, aligned16, copy_masked
 from codatrain.kernels.cute.gemm_stages import rope_freq
 from codatrain.kernels.cute.pins import sincos_turns
 
@@ -39,13 +39,16 @@ class RowDotKernel:
     """zdz[m] = Σ_n a[m, n]·b[m, n] for one row per CTA and, with `rotate`, out = b with each
     adjacent column pair (x1, x2) rotated by −angle: (x1·c + x2·s, x2·c − x1·s), where the angle
     of pair (2j, 2j+1) in row m is pos[m]·(freq[2j] + freq[2j+1]) turns (a float-float split).
+    With `bias` (rotate only), zdz[m] −= Σ_n bias[n]·out[m, n] in fp32, before out is rounded:
+    a QKV bias is no part of the norm's consumer z (docs/design.md §3).
 
     The row is tiled in 4-element vectors (two rotation pairs, 16 bytes of the fp32 frequency
     table; `RowTiling`); vectors past `n` are masked off and count as zeros in the sum.
     """
 
-    def __init__(self, dtype: type, n: int, rotate: bool) -> None:
-        self.dtype, self.n, self.rotate = dtype, n, rotate
+    def __init__(self, dtype: type, n: int, rotate: bool, bias: bool = False) -> None:
+        assert rotate or not bias, "the bias term needs the rotated-back gradient"
+        self.dtype, self.n, self.rotate, self.bias = dtype, n, rotate, bias
         t = RowTiling.of(n, 4, _MAX_THREADS)
         self.vec, self.num_threads, self.steps, self.tile_n = t.vec, t.num_threads, t.steps, t.tile_n
 
@@ -56,11 +59,12 @@ class RowDotKernel:
         mB: cute.Tensor,
         mPos: cute.Tensor | None,
         mFreq: cute.Tensor | None,
+        mBias: cute.Tensor | None,
         mOut: cute.Tensor | None,
         mDot: cute.Tensor,
         stream: cuda.CUstream,
     ):
-        self.kernel(mA, mB, mPos, mFreq, mOut, mDot).launch(
+        self.kernel(mA, mB, mPos, mFreq, mBias, mOut, mDot).launch(
             grid=[mA.shape[0], 1, 1], block=[self.num_threads, 1, 1], stream=stream
         )
 
@@ -71,6 +75,7 @@ class RowDotKernel:
         mB: cute.Tensor,
         mPos: cute.Tensor | None,
         mFreq: cute.Tensor | None,
+        mBias: cute.Tensor | None,
         mOut: cute.Tensor | None,
         mDot: cute.Tensor,
     ):
@@ -127,19 +132,21 @@ class RowDotKernel:
             tOr.store(tRot.load().to(self.dtype))
             copy_masked(atom, tOr, tOg, tCol, self.n, self.steps)
 
-        dot = row_reduce(
-            tAr.load().to(Float32) * tBr.load().to(Float32),
-            cute.ReductionOp.ADD,
-            self.num_threads,
-            reduction_buffer,
-        )
+        terms = tAr.load().to(Float32) * tBr.load().to(Float32)
+        if const_expr(self.bias):
+            tBiasg = part.partition_S(cute.local_tile(mBias, tiler, (0,)))
+            tBiasr = cute.make_rmem_tensor_like(tBiasg)
+            tBiasr.fill(0)
+            copy_masked(atom, tBiasg, tBiasr, tCol, self.n, self.steps)
+            terms = terms - tBiasr.load().to(Float32) * tRot.load()
+        dot = row_reduce(terms, cute.ReductionOp.ADD, self.num_threads, reduction_buffer)
         if tidx == 0:
             mDot[row] = dot
 
 
 @jit_cache
-def compile_row_dot(dtype: type, n: int, rotate: bool):
-    kernel = RowDotKernel(dtype, n, rotate)
+def compile_row_dot(dtype: type, n: int, rotate: bool, bias: bool = False):
+    kernel = RowDotKernel(dtype, n, rotate, bias)
     rows = cute.sym_int()
     row_major = (rows, n)
     return cute.compile(
@@ -148,6 +155,7 @@ def compile_row_dot(dtype: type, n: int, rotate: bool):
         make_fake_tensor(dtype, row_major, divisibility=kernel.vec),
         make_fake_tensor(Float32, (rows,)) if rotate else None,
         make_fake_tensor(Float32, (n,), divisibility=kernel.vec) if rotate else None,
+        make_fake_tensor(dtype, (n,), divisibility=kernel.vec) if bias else None,
         make_fake_tensor(dtype, row_major, divisibility=kernel.vec) if rotate else None,
         make_fake_tensor(Float32, (rows,)),
         make_fake_stream(),
@@ -157,21 +165,22 @@ def compile_row_dot(dtype: type, n: int, rotate: bool):
 
 @cute_op("codatrain::cute_rope_bwd", mutates_args=("dz", "zdz"), device_types="cuda")
 def rope_bwd(
-    dqkv: Tensor, qkv: Tensor, positions: Tensor, dz: Tensor, zdz: Tensor, head_dim: int, rope_heads: int,
-    rope_theta: float, rope_type: str, rope_factor: float, rope_low_freq_factor: float,
+    dqkv: Tensor, qkv: Tensor, positions: Tensor, bias: Tensor | None, dz: Tensor, zdz: Tensor, head_dim: int,
+    rope_heads: int, rope_theta: float, rope_type: str, rope_factor: float, rope_low_freq_factor: float,
     rope_high_freq_factor: float, rope_original_max_positions: int,
 ) -> None:
-    """dz = dqkv rotated back by −angle on the first rope_heads heads, zdz (M,) fp32 = Σ qkv·dqkv;
-    dqkv and qkv contiguous; the rope_* arguments as in `gemm_stages.gemm_rstd_rope`."""
+    """dz = dqkv rotated back by −angle on the first rope_heads heads, zdz (M,) fp32 = Σ qkv·dqkv
+    [− Σ bias·dz]; dqkv and qkv contiguous; the rope_* arguments as in `gemm_stages.gemm_rstd_rope`."""
     n = dqkv.shape[1]
-    compiled = compile_row_dot(torch2cute_dtype_map[dqkv.dtype], n, True)
+    compiled = compile_row_dot(torch2cute_dtype_map[dqkv.dtype], n, True, bias is not None)
     freq = rope_freq(head_dim, rope_heads, n, dqkv.device, rope_theta, rope_type, rope_factor,
                      rope_low_freq_factor, rope_high_freq_factor, rope_original_max_positions)
     # Positions are exact in fp32 up to 2^24, as in the forward epilogue.
-    compiled(qkv, dqkv, positions.to(torch.float32), freq, dz, zdz)
+    bias = None if bias is None else aligned16(bias)
+    compiled(qkv, dqkv, positions.to(torch.float32), freq, bias, dz, zdz)
 
 
 @cute_op("codatrain::cute_row_dot", mutates_args=("zdz",), device_types="cuda")
 def row_dot(z: Tensor, dz: Tensor, zdz: Tensor) -> None:
     """zdz (M,) fp32 = Σ_n z·dz; z and dz contiguous."""
-    compile_row_dot(torch2cute_dtype_map[z.dtype], z.shape[1], False)(z, dz, None, None, None, zdz)
+    compile_row_dot(torch2cute_dtype_map[z.dtype], z.shape[1], False)(z, dz, None, None, None, None, zdz)
