@@ -32,7 +32,7 @@ import json
 import time
 from pathlib import Path
 
-from codatrain.train.runs import REPO, VARIANTS, run_variant, software_versions, summarize
+from codatrain.train.runs import REPO, VARIANTS, Launch, run_variant, software_versions, summarize
 
 
 def plot(path: Path, summaries: list[dict], title: str) -> None:
@@ -153,7 +153,8 @@ def main() -> None:
                   "variants": []}
         args.out.mkdir(parents=True, exist_ok=True)
         for name in names:
-            result = run_variant(name, args.overrides, args.steps, args.out / name, args.nproc, args.profile)
+            result = run_variant(name, args.overrides, args.steps, args.out / name, Launch(args.nproc),
+                                 args.profile)
             report["variants"].append(summarize(result, args.warmup))
             # Written after every variant: a run stopped by a time limit keeps the finished ones.
             (args.out / "bench_train.json").write_text(json.dumps(report, indent=2))

@@ -57,7 +57,7 @@ def test_a_run_stopped_after_one_variant_keeps_its_report(tmp_path, monkeypatch)
                 "tflops_per_device": 1.0, "mfu": None, "peak_memory_gib": 1.0, "resident_memory_gib": 0.5,
                 "data_time_s": 0.0} for s in range(1, 4)]
 
-    def run_variant(name, overrides, steps, out, nproc, profile):
+    def run_variant(name, overrides, steps, out, launch, profile):
         if name != "eager":
             raise KeyboardInterrupt  # the time limit, while the second variant runs
         return {"variant": name, "records": records, "profile": None}

@@ -13,6 +13,7 @@ import os
 import statistics
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,22 +36,52 @@ VARIANTS: dict[str, list[str]] = {
 }
 
 
-def train_job(nproc: int, overrides: list[str], run_dir: Path) -> int:
-    """scripts/train.py under torchrun with `nproc` processes, every step logged to
-    the run's metrics file (started afresh); returns the exit code. Of two values for one key,
-    the later override wins."""
+@dataclass(frozen=True)
+class Launch:
+    """Where torchrun starts a job: `nproc_per_node` processes on this machine alone (--standalone),
+    or as many on each of `nnodes` nodes that meet at the c10d rendezvous `rdzv_endpoint` (host:port)
+    under `rdzv_id`, every node running the same command (README, "Several nodes")."""
+
+    nproc_per_node: int
+    nnodes: int = 1
+    rdzv_endpoint: str | None = None
+    rdzv_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.nnodes > 1 and not (self.rdzv_endpoint and self.rdzv_id):
+            raise ValueError(f"a launch on {self.nnodes} nodes needs a rendezvous endpoint and id")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    def torchrun_options(self) -> list[str]:
+        if self.nnodes == 1:
+            return ["--standalone", f"--nproc-per-node={self.nproc_per_node}"]
+        return [f"--nnodes={self.nnodes}", f"--nproc-per-node={self.nproc_per_node}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={self.rdzv_endpoint}", f"--rdzv-id={self.rdzv_id}"]
+
+
+def train_command(launch: Launch, overrides: list[str], run_dir: Path) -> list[str]:
+    """scripts/train.py under torchrun as `launch` says, every step logged. Of two values for one
+    key, the later override wins."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", *launch.torchrun_options(), str(TRAIN_SCRIPT),
+        *overrides, "train.log_every=1", "train.val_every=0", "train.progress=false",
+        f"train.run_dir={run_dir}",
+    ]
+
+
+def train_job(launch: Launch, overrides: list[str], run_dir: Path) -> int:
+    """`train_command` run into run_dir, its metrics file started afresh; returns the exit code."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / METRICS_FILE).unlink(missing_ok=True)
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        str(TRAIN_SCRIPT), *overrides,
-        "train.log_every=1", "train.val_every=0", "train.progress=false", f"train.run_dir={run_dir}",
-    ]
+    cmd = train_command(launch, overrides, run_dir)
     print("+", " ".join(cmd), flush=True)
     return subprocess.run(cmd, cwd=REPO, env=os.environ.copy()).returncode
 
 
-def run_variant(name: str, overrides: list[str], steps: int, run_dir: Path, nproc: int,
+def run_variant(name: str, overrides: list[str], steps: int, run_dir: Path, launch: Launch,
                 profile: int) -> dict[str, Any]:
     """`steps` timed training steps of variant `name` (then `profile` profiled ones) into run_dir:
     {"variant", "records", "profile": the profiler summary or None}, or {"variant", "error"}."""
@@ -58,7 +89,7 @@ def run_variant(name: str, overrides: list[str], steps: int, run_dir: Path, npro
     total_steps = steps + profile + 1 if profile else steps
     # One micro-batch per process and step unless the overrides say otherwise: a step of the
     # model's recipe batch (millions of tokens) would make every timed step minutes long.
-    code = train_job(nproc, [
+    code = train_job(launch, [
         *VARIANTS[name], "train.tokens_per_step=null", *overrides, f"train.steps={total_steps}",
         f"train.profile_steps={profile}", f"train.profile_skip={steps}", "checkpoint.at_end=false",
         "checkpoint.resume=none",
