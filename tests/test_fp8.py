@@ -106,7 +106,8 @@ def test_fp8_stages_compute_the_fp32_math_of_their_dequantized_operands():
         return t.dequantize().double()
 
     def close(actual, expected):
-        torch.testing.assert_close(actual.double(), expected, rtol=2e-5, atol=2e-5 * expected.abs().max().item())
+        atol = 2e-5 * expected.abs().max().item()
+        torch.testing.assert_close(actual.double(), expected, rtol=2e-5, atol=atol)
 
     a, w, res, gamma, rstd = q(rand(m, f)), q(rand(d, f) * 0.1), rand(m, d), rand(d), rand(m).abs() + 0.5
     to = QuantizeTo(E4M3, torch.tensor(20.0))
