@@ -137,19 +137,19 @@ def stat_dtype(dtype: torch.dtype) -> torch.dtype:
 
 class EntryOut(NamedTuple):
     x: torch.Tensor  # (M, d) activation dtype: the embedded tokens, the residual stream x0
-    h: torch.Tensor  # (M, d) activation dtype: x ⊙ γ_attn of layer 0
+    h: torch.Tensor | Fp8Tensor  # (M, d) activation dtype: x ⊙ γ_attn of layer 0 (FP8 with h_fp8)
     rstd: torch.Tensor  # (M,) stat dtype: (mean x² + ε)^-1/2 of x
 
 
 class ResidualOut(NamedTuple):
     x: torch.Tensor  # (M, d) activation dtype: residual + A·Wᵀ, the new residual stream
-    h: torch.Tensor  # (M, d) activation dtype: x ⊙ γ, the next GEMM's A operand
+    h: torch.Tensor | Fp8Tensor  # (M, d) activation dtype: x ⊙ γ, the next GEMM's A operand (FP8 with h_fp8)
     sq_partials: torch.Tensor  # (M, P) stat dtype: column-tile partial sums of x², Σ_p = Σ_j x_j²
 
 
 class SwigluOut(NamedTuple):
     preact: torch.Tensor  # (M, 2F) activation dtype: rstd ⊙ (h·W_guᵀ), gate/up interleaved
-    y: torch.Tensor  # (M, F) activation dtype: silu(g) · u
+    y: torch.Tensor | Fp8Tensor  # (M, F) activation dtype: silu(g) · u (FP8 with y_fp8)
 
 
 class LseOut(NamedTuple):
@@ -158,7 +158,8 @@ class LseOut(NamedTuple):
 
 
 class RopeBwdOut(NamedTuple):
-    dz: torch.Tensor  # (M, N_qkv) activation dtype: gradient before RoPE (rotated back)
+    dz: torch.Tensor | Fp8Tensor  # (M, N_qkv) activation dtype: gradient before RoPE (rotated back; FP8
+    # with dz_fp8)
     zdz: torch.Tensor  # (M,) stat dtype: Σ_n (z − bias)·dz over all N_qkv columns (= Σ qkv·dqkv
     # without a bias): the ZdZ of the attention norm, whose GEMM output is z less the bias
 
@@ -209,8 +210,8 @@ class RmsBwdOut(NamedTuple):
 
 
 class DSwigluOut(NamedTuple):
-    dpreact: torch.Tensor  # (M, 2F) activation dtype: (dg, du) interleaved like preact
-    y: torch.Tensor  # (M, F) activation dtype: silu(g) · u recomputed, the A operand of dW_down
+    dpreact: torch.Tensor | Fp8Tensor  # (M, 2F) activation dtype: (dg, du) interleaved like preact
+    y: torch.Tensor | Fp8Tensor  # (M, F) activation dtype: silu(g) · u recomputed, the A operand of dW_down
     zdz: torch.Tensor  # (M,) stat dtype: Σ_f (g·dg + u·du)
 
 
