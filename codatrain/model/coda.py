@@ -107,9 +107,6 @@ def _dgamma(partials: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
     return partials.sum(0).to(gamma.dtype)
 
 
-# ---- the MLP half of a shifted layer, shared by the middle and the last layer ------------------
-
-
 # ---- FP8 (block.precision=fp8): which operand a stage writes in FP8, and its amax ----------------
 # With `f` None (bf16) the stages get no FP8 argument and the weights stay as they are.
 
@@ -161,10 +158,10 @@ def _mlp_forward(
     r2 = s.rstd_from_partials(sq2, dim=c.dim, eps=c.eps)
     if f is None:
         return (o, None, None, x1, r1, preact, w_o, gamma_mlp, w_gu, w_down), x2, h2, r2
-    for operand, quantized in ((Operand.gate_up_in, h1), (Operand.down_in, y)):
-        _record(f, layer, operand, quantized)
+    f.record(layer, Operand.gate_up_in, h1)
+    f.record(layer, Operand.down_in, y)
     if h_out_fp8:
-        _record(f, layer + 1, Operand.qkv_in, h2)
+        f.record(layer + 1, Operand.qkv_in, h2)
     # o is kept in FP8 for its wgrad; the backward recomputes y with the forward's scale.
     return (oq.data, oq.scale, y.scale, x1, r1, preact, w_o, gamma_mlp, w_gu, w_down), x2, h2, r2
 
