@@ -45,6 +45,16 @@ class AttentionChoice(StrEnum):
     auto = "auto"
 
 
+class Precision(StrEnum):
+    bf16 = "bf16"
+    fp8 = "fp8"
+
+
+class Fp8GradFormat(StrEnum):
+    e5m2 = "e5m2"
+    e4m3 = "e4m3"
+
+
 class Schedule(StrEnum):
     cosine = "cosine"
     wsd = "wsd"
@@ -119,6 +129,13 @@ class BlockConfig:
     impl: BlockImpl = BlockImpl.eager  # the block implementation (one checkpoint format for all)
     backend: StageBackendChoice = StageBackendChoice.auto  # the CODA stages' backend
     attention: AttentionChoice = AttentionChoice.auto  # the CODA block's attention (auto: FA4 on sm_90)
+    # The CODA layer GEMMs' operands (QKV, out, gate-up, down; forward, dgrad, wgrad): bf16 (the
+    # compute dtype), or fp8 (e4m3 activations and weights, per-tensor delayed scaling; LM head and
+    # attention stay in the compute dtype). block=coda only: train.float8 is block=eager's FP8.
+    precision: Precision = Precision.bf16
+    fp8_history_len: int = 16  # precision=fp8: steps of amax history a delayed scale looks back over
+    fp8_margin: int = 0  # precision=fp8: scales divided by 2**margin, headroom for a growing amax
+    fp8_grad_format: Fp8GradFormat = Fp8GradFormat.e5m2  # precision=fp8: the gradients' FP8 format
 
     def __post_init__(self) -> None:
         if self.impl != BlockImpl.coda:
@@ -128,6 +145,19 @@ class BlockConfig:
                         f"block.{key}={str(getattr(self, key))!r} chooses the CODA block's kernels; "
                         "it needs block=coda"
                     )
+            if self.precision == Precision.fp8:
+                raise ValueError(
+                    f"block.precision=fp8 is the FP8 CODA block (block=coda), not block={self.impl}; "
+                    "the eager model's FP8 is torchao's: train.float8=tensorwise or rowwise with block=eager"
+                )
+        require_positive(self, "block", "fp8_history_len")
+        require_not_negative(self, "block", "fp8_margin")
+        if self.precision != Precision.fp8:
+            defaults = {f.name: f.default for f in dataclasses.fields(BlockConfig)}
+            for key in ("fp8_history_len", "fp8_margin", "fp8_grad_format"):
+                if getattr(self, key) != defaults[key]:
+                    raise ValueError(f"block.{key}={getattr(self, key)} sets the FP8 recipe; it needs "
+                                     "block.precision=fp8")
 
 
 @dataclass

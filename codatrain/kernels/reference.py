@@ -14,6 +14,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from codatrain.kernels import fp8
+from codatrain.kernels.fp8 import Fp8Tensor, QuantizeTo
 from codatrain.kernels.stages import (
     IGNORE_INDEX,
     DSwigluOut,
@@ -23,6 +25,7 @@ from codatrain.kernels.stages import (
     QkNormBwdOut,
     QkNormOut,
     ResidualOut,
+    RmsBwdFp8Out,
     RmsBwdOut,
     Rope,
     RopeBwdOut,
@@ -83,6 +86,16 @@ def _tile_sums(values: torch.Tensor, tile: int, dim: int) -> torch.Tensor:
     return F.pad(values, (0, 0, 0, pad)).view(tiles, tile, values.shape[1]).sum(1)
 
 
+def _mm(a: torch.Tensor | Fp8Tensor, b: torch.Tensor | Fp8Tensor) -> torch.Tensor:
+    """a·b: in the activation dtype for tensors, in fp32 for FP8 operands (`fp8.matmul`)."""
+    return fp8.matmul(a, b) if isinstance(a, Fp8Tensor) else a @ b
+
+
+def _write(value: torch.Tensor, dtype: torch.dtype, to: QuantizeTo | None) -> torch.Tensor | Fp8Tensor:
+    """An epilogue's stat-dtype value as written: rounded to `dtype`, or quantized as `to` asks."""
+    return value.to(dtype) if to is None else fp8.quantize(value, to, dtype)
+
+
 def _plus(total: torch.Tensor | None, term: torch.Tensor) -> torch.Tensor:
     """total + term, where a None total is an empty sum."""
     return term if total is None else total + term
@@ -107,13 +120,14 @@ class ReferenceStages(StageBackend):
         *,
         eps: float,
         dtype: torch.dtype | None = None,
+        h_fp8: QuantizeTo | None = None,
     ) -> EntryOut:
         dtype = dtype or embedding.dtype
         st = stat_dtype(dtype)
         x = embedding[tokens].to(dtype)
         xs = x.to(st)
         rstd = torch.rsqrt(xs.square().mean(-1) + eps)
-        return EntryOut(x, (xs * gamma.to(st)).to(dtype), rstd)
+        return EntryOut(x, _write(xs * gamma.to(st), dtype, h_fp8), rstd)
 
     def gemm_residual_rms(
         self,
@@ -121,19 +135,23 @@ class ReferenceStages(StageBackend):
         weight: torch.Tensor,
         residual: torch.Tensor,
         gamma: torch.Tensor,
+        *,
+        h_fp8: QuantizeTo | None = None,
     ) -> ResidualOut:
         st = stat_dtype(a.dtype)
-        x = (residual.to(st) + (a @ weight.t()).to(st)).to(a.dtype)
+        x = (residual.to(st) + _mm(a, weight.t()).to(st)).to(a.dtype)
         xs = x.to(st)  # statistics of x as written, the x the backward will read
-        return ResidualOut(x, (xs * gamma.to(st)).to(a.dtype), _tile_sums(xs.square(), self.tile_n, dim=1))
+        h = _write(xs * gamma.to(st), a.dtype, h_fp8)
+        return ResidualOut(x, h, _tile_sums(xs.square(), self.tile_n, dim=1))
 
     def rstd_from_partials(self, sq_partials: torch.Tensor, *, dim: int, eps: float) -> torch.Tensor:
         return torch.rsqrt(sq_partials.sum(-1) / dim + eps)
 
-    def gemm_rstd_swiglu(self, h: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> SwigluOut:
-        z = (h @ weight.t()).to(rstd.dtype) * rstd[:, None]
+    def gemm_rstd_swiglu(self, h: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, *,
+                         y_fp8: QuantizeTo | None = None) -> SwigluOut:
+        z = _mm(h, weight.t()).to(rstd.dtype) * rstd[:, None]
         y = F.silu(z[:, 0::2]) * z[:, 1::2]
-        return SwigluOut(z.to(h.dtype), y.to(h.dtype))
+        return SwigluOut(z.to(h.dtype), _write(y, h.dtype, y_fp8))
 
     def gemm_rstd_rope(
         self,
@@ -147,7 +165,7 @@ class ReferenceStages(StageBackend):
         rope: Rope,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        z = (h @ weight.t()).to(rstd.dtype) * rstd[:, None]
+        z = _mm(h, weight.t()).to(rstd.dtype) * rstd[:, None]
         if bias is not None:
             z += bias.to(rstd.dtype)
         cos, sin = _rope_cos_sin(positions, head_dim, rope, rstd.dtype)
@@ -170,7 +188,7 @@ class ReferenceStages(StageBackend):
         bias: torch.Tensor | None = None,
     ) -> QkNormOut:
         st, rope_cols = rstd.dtype, rope_heads * head_dim
-        z = (h @ weight.t()).to(st) * rstd[:, None]
+        z = _mm(h, weight.t()).to(st) * rstd[:, None]
         if bias is not None:
             z += bias.to(st)
         z_qk = z[:, :rope_cols].to(h.dtype)  # written once: the norm and its backward read this z
@@ -269,6 +287,7 @@ class ReferenceStages(StageBackend):
         rope_heads: int,
         rope: Rope,
         bias: torch.Tensor | None = None,
+        dz_fp8: QuantizeTo | None = None,
     ) -> RopeBwdOut:
         st = stat_dtype(dqkv.dtype)
         dqkv_s = dqkv.to(st)
@@ -278,7 +297,7 @@ class ReferenceStages(StageBackend):
         zdz = (qkv.to(st) * dqkv_s).sum(-1)
         if bias is not None:  # the norm's consumer z excludes the bias: Σ (z − b)·dz
             zdz -= dz @ bias.to(st)
-        return RopeBwdOut(dz.to(dqkv.dtype), zdz)
+        return RopeBwdOut(_write(dz, dqkv.dtype, dz_fp8), zdz)
 
     def qknorm_rope_bwd(
         self,
@@ -329,19 +348,45 @@ class ReferenceStages(StageBackend):
         zdz: torch.Tensor,
         residual_grad: torch.Tensor | None = None,
     ) -> RmsBwdOut:
+        dx, n, dgamma_partials = self._rms_bwd(dz, weight, x, gamma, rstd, zdz, residual_grad)
+        return RmsBwdOut(dx.to(x.dtype), n.to(x.dtype), dgamma_partials)
+
+    def gemm_rms_bwd_fp8(
+        self,
+        dz: Fp8Tensor,
+        weight: Fp8Tensor,
+        x: torch.Tensor,
+        gamma: torch.Tensor,
+        rstd: torch.Tensor,
+        zdz: torch.Tensor,
+        residual_grad: torch.Tensor | None = None,
+        *,
+        n_fp8: QuantizeTo,
+        dx_fp8: QuantizeTo | None = None,
+    ) -> RmsBwdFp8Out:
+        dx, n, dgamma_partials = self._rms_bwd(dz, weight, x, gamma, rstd, zdz, residual_grad)
+        dx_q = None if dx_fp8 is None else fp8.quantize(dx, dx_fp8, x.dtype)
+        return RmsBwdFp8Out(dx.to(x.dtype), dx_q, fp8.quantize(n, n_fp8, x.dtype), dgamma_partials)
+
+    def _rms_bwd(
+        self, dz: torch.Tensor | Fp8Tensor, weight: torch.Tensor | Fp8Tensor, x: torch.Tensor,
+        gamma: torch.Tensor, rstd: torch.Tensor, zdz: torch.Tensor, residual_grad: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`gemm_rms_bwd`'s dx and n in the stat dtype, unrounded, and its dγ partials."""
         st = rstd.dtype
-        dn = (dz @ weight).to(st)
+        dn = _mm(dz, weight).to(st)
         xs, g, r = x.to(st), gamma.to(st), rstd[:, None]
         # dx = r·(dn⊙γ − x·r·ZdZ) with ZdZ = zdz/d = r·Σ_k dn_k γ_k x_k / d (docs/design.md §3).
         dx = r * (dn * g - xs * r * (zdz[:, None] / x.shape[1]))
         if residual_grad is not None:
             dx += residual_grad.to(st)
         xr = xs * r
-        return RmsBwdOut(dx.to(x.dtype), (xr * g).to(x.dtype), _tile_sums(dn * xr, self.tile_m, dim=0))
+        return dx, xr * g, _tile_sums(dn * xr, self.tile_m, dim=0)
 
-    def gemm_dswiglu(self, dout: torch.Tensor, weight: torch.Tensor, preact: torch.Tensor) -> DSwigluOut:
-        st = stat_dtype(dout.dtype)
-        dy = (dout @ weight).to(st)
+    def gemm_dswiglu(self, dout: torch.Tensor, weight: torch.Tensor, preact: torch.Tensor, *,
+                     dpreact_fp8: QuantizeTo | None = None, y_fp8: QuantizeTo | None = None) -> DSwigluOut:
+        st = stat_dtype(preact.dtype)
+        dy = _mm(dout, weight).to(st)
         pre = preact.to(st)
         g, u = pre[:, 0::2], pre[:, 1::2]
         sig = torch.sigmoid(g)
@@ -349,17 +394,21 @@ class ReferenceStages(StageBackend):
         dg = dy * u * sig * (1 + g * (1 - sig))  # silu'(g) = σ(g)·(1 + g·(1 − σ(g)))
         du = dy * silu
         dpreact = torch.stack((dg, du), dim=-1).view_as(pre)
-        return DSwigluOut(dpreact.to(dout.dtype), (silu * u).to(dout.dtype), (g * dg + u * du).sum(-1))
+        return DSwigluOut(_write(dpreact, preact.dtype, dpreact_fp8), _write(silu * u, preact.dtype, y_fp8),
+                          (g * dg + u * du).sum(-1))
 
     def dgrad(self, dz: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return dz @ weight
+        return _mm(dz, weight).to(dz.dtype)
 
     def wgrad(
         self, dz: torch.Tensor, a: torch.Tensor, *, accumulate_into: torch.Tensor | None = None
     ) -> torch.Tensor:
         if accumulate_into is None:
-            return dz.t() @ a
-        return accumulate_into.add_(dz.t() @ a)
+            return _mm(dz.t(), a).to(dz.dtype)
+        return accumulate_into.add_(_mm(dz.t(), a))
+
+    def quantize(self, x: torch.Tensor, to: QuantizeTo) -> Fp8Tensor:
+        return fp8.quantize(x, to)
 
     def entry_bwd(self, dx: torch.Tensor, tokens: torch.Tensor, *, num_embeddings: int) -> torch.Tensor:
         st = stat_dtype(dx.dtype)

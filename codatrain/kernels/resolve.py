@@ -51,11 +51,20 @@ class ResolvedBlock:
         as varlen offsets rather than flex_attention's block mask."""
         return self.attention == "fa4"
 
-    def unsupported_model(self, dim: int, ffn_dim: int, head_dim: int, *,
-                          qk_norm: bool = False) -> str | None:
-        """Why this block's kernels cannot run a model of these widths and QK-norm
+    def unsupported_model(self, dim: int, ffn_dim: int, head_dim: int, *, qkv_bias: bool = False,
+                          qk_norm: bool = False, fp8: bool = False) -> str | None:
+        """Why this block's kernels cannot run a model of these widths and attention epilogues
         (one line naming the key, and the nearest widths or the block that run it), or None when
-        they can. Any vocabulary runs."""
+        they can; `fp8`: with FP8 layer GEMMs (block.precision=fp8). Any vocabulary runs."""
+        if fp8:
+            if self.cute_stages:
+                return ("block.precision=fp8: the FP8 stages are not built for block.backend=cute yet; "
+                        "use block.backend=reference")
+            # rope_bwd writes dz in FP8 only, and the bias gradient and the QK-norm's backward read it.
+            for key, on in (("qkv_bias", qkv_bias), ("qk_norm", qk_norm)):
+                if on:
+                    return (f"block.precision=fp8 does not cover model.{key}=true yet; use "
+                            "block.precision=bf16")
         if self.cute_stages:
             for key, width in (("model.dim", dim), ("model.ffn_dim", ffn_dim), ("model.head_dim", head_dim)):
                 if width % ROW_MULTIPLE:

@@ -29,6 +29,24 @@ Conventions shared by every stage
   it by the norm width d (the ZdZ of docs/design.md §3 = zdz / d).
 - No stage keeps state between calls; every input and output is explicit.
 
+FP8 (block.precision=fp8; the numerics are `codatrain.kernels.fp8`'s)
+-----------------------------------------------------------------------
+- Every GEMM stage (the four layer GEMMs' forward, dgrad and wgrad: `gemm_rstd_rope`,
+  `gemm_residual_rms`, `gemm_rstd_swiglu`, `gemm_rms_bwd(_fp8)`, `gemm_dswiglu`, `dgrad`,
+  `wgrad`) takes both of its GEMM operands as `Fp8Tensor`s (data in FP8, its scale a 0-d fp32
+  tensor) in place of activation-dtype tensors; it accumulates in fp32, multiplies by
+  1/(s_a·s_b) and writes its outputs in the operands' nominal `Fp8Tensor.dtype`. Weights come
+  from `quantize` (current scaling, once per optimizer step).
+- A stage that produces a GEMM operand writes it in FP8 when asked by its ``*_fp8`` argument, a
+  `QuantizeTo` (the format and the scale, a 0-d fp32 tensor, or None for current scaling): that
+  output is then an `Fp8Tensor` carrying the amax of the values it quantized (its epilogue's
+  fp32 values, rounded once to FP8). Producers: `entry` (h), `gemm_residual_rms` (h),
+  `gemm_rstd_swiglu` (y), `rope_bwd` (dz), `gemm_rms_bwd_fp8` (n, and dx beside its
+  activation-dtype copy), `gemm_dswiglu` (dpreact, y); `quantize` casts what no stage produces
+  (attention's output, the LM head's dx, weights).
+- Without ``*_fp8`` arguments and FP8 operands every stage is exactly the bf16 stage. Only the
+  reference stages have the FP8 forms so far.
+
 Registering a backend
 ---------------------
 A backend is a `StageBackend` subclass instance. Its module registers it on import with one line::
@@ -50,6 +68,8 @@ from enum import StrEnum
 from typing import NamedTuple, TypeVar
 
 import torch
+
+from codatrain.kernels.fp8 import Fp8Tensor, QuantizeTo
 
 T = TypeVar("T")
 
@@ -117,19 +137,19 @@ def stat_dtype(dtype: torch.dtype) -> torch.dtype:
 
 class EntryOut(NamedTuple):
     x: torch.Tensor  # (M, d) activation dtype: the embedded tokens, the residual stream x0
-    h: torch.Tensor  # (M, d) activation dtype: x ⊙ γ_attn of layer 0
+    h: torch.Tensor | Fp8Tensor  # (M, d) activation dtype: x ⊙ γ_attn of layer 0 (FP8 with h_fp8)
     rstd: torch.Tensor  # (M,) stat dtype: (mean x² + ε)^-1/2 of x
 
 
 class ResidualOut(NamedTuple):
     x: torch.Tensor  # (M, d) activation dtype: residual + A·Wᵀ, the new residual stream
-    h: torch.Tensor  # (M, d) activation dtype: x ⊙ γ, the next GEMM's A operand
+    h: torch.Tensor | Fp8Tensor  # (M, d) activation dtype: x ⊙ γ, the next GEMM's A operand (FP8 with h_fp8)
     sq_partials: torch.Tensor  # (M, P) stat dtype: column-tile partial sums of x², Σ_p = Σ_j x_j²
 
 
 class SwigluOut(NamedTuple):
     preact: torch.Tensor  # (M, 2F) activation dtype: rstd ⊙ (h·W_guᵀ), gate/up interleaved
-    y: torch.Tensor  # (M, F) activation dtype: silu(g) · u
+    y: torch.Tensor | Fp8Tensor  # (M, F) activation dtype: silu(g) · u (FP8 with y_fp8)
 
 
 class LseOut(NamedTuple):
@@ -138,7 +158,8 @@ class LseOut(NamedTuple):
 
 
 class RopeBwdOut(NamedTuple):
-    dz: torch.Tensor  # (M, N_qkv) activation dtype: gradient before RoPE (rotated back)
+    dz: torch.Tensor | Fp8Tensor  # (M, N_qkv) activation dtype: gradient before RoPE (rotated back; FP8
+    # with dz_fp8)
     zdz: torch.Tensor  # (M,) stat dtype: Σ_n (z − bias)·dz over all N_qkv columns (= Σ qkv·dqkv
     # without a bias): the ZdZ of the attention norm, whose GEMM output is z less the bias
 
@@ -175,6 +196,13 @@ class HeadLossOut(NamedTuple):
     last_n: torch.Tensor | None
 
 
+class RmsBwdFp8Out(NamedTuple):
+    dx: torch.Tensor  # (M, d) activation dtype: as RmsBwdOut.dx
+    dx_fp8: Fp8Tensor | None  # (M, d): dx as an FP8 operand, when asked for
+    n: Fp8Tensor  # (M, d): the recomputed normed input as the wgrad's FP8 operand
+    dgamma_partials: torch.Tensor  # (P_m, d) stat dtype: as RmsBwdOut.dgamma_partials
+
+
 class RmsBwdOut(NamedTuple):
     dx: torch.Tensor  # (M, d) activation dtype: gradient of the residual stream x
     n: torch.Tensor  # (M, d) activation dtype: the recomputed normed input rstd ⊙ x ⊙ γ
@@ -182,8 +210,8 @@ class RmsBwdOut(NamedTuple):
 
 
 class DSwigluOut(NamedTuple):
-    dpreact: torch.Tensor  # (M, 2F) activation dtype: (dg, du) interleaved like preact
-    y: torch.Tensor  # (M, F) activation dtype: silu(g) · u recomputed, the A operand of dW_down
+    dpreact: torch.Tensor | Fp8Tensor  # (M, 2F) activation dtype: (dg, du) interleaved like preact
+    y: torch.Tensor | Fp8Tensor  # (M, F) activation dtype: silu(g) · u recomputed, the A operand of dW_down
     zdz: torch.Tensor  # (M,) stat dtype: Σ_f (g·dg + u·du)
 
 
@@ -224,6 +252,7 @@ class StageBackend(ABC):
         *,
         eps: float,
         dtype: torch.dtype | None = None,
+        h_fp8: QuantizeTo | None = None,
     ) -> EntryOut:
         """Model entry: embedding lookup and the first attention norm's statistics.
 
@@ -231,6 +260,7 @@ class StageBackend(ABC):
         dtype: activation dtype of the outputs (default: the embedding's), so a full-precision
         embedding table need not be cast as a whole under autocast.
         Returns x = embedding[tokens], h = x ⊙ γ, rstd = (mean_j x_j² + eps)^-1/2 (of x as written).
+        h_fp8: h is written as an `Fp8Tensor` (the QKV GEMM's FP8 operand).
         """
 
     @abstractmethod
@@ -240,13 +270,16 @@ class StageBackend(ABC):
         weight: torch.Tensor,
         residual: torch.Tensor,
         gamma: torch.Tensor,
+        *,
+        h_fp8: QuantizeTo | None = None,
     ) -> ResidualOut:
         """F1 (out-projection) and F3 (down-projection): GEMM + residual add + norm statistics.
 
         a (M, K); weight (d, K); residual (M, d); gamma (d,) of the norm that follows.
         Returns x = residual + a·Wᵀ, h = x ⊙ γ and sq_partials (M, P): partial sums of x² (of x
         as written) over P ≥ 1 column tiles, as the backend's GEMM tiles them. Consumers rely
-        only on Σ_p sq_partials[:, p].
+        only on Σ_p sq_partials[:, p]. a and weight may be `Fp8Tensor`s; h_fp8: h is written as
+        an `Fp8Tensor` (the next GEMM's FP8 operand).
         """
 
     @abstractmethod
@@ -254,12 +287,14 @@ class StageBackend(ABC):
         """R: rstd (M,) = (Σ_p sq_partials[:, p] / dim + eps)^-1/2, in the stat dtype."""
 
     @abstractmethod
-    def gemm_rstd_swiglu(self, h: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> SwigluOut:
+    def gemm_rstd_swiglu(self, h: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, *,
+                         y_fp8: QuantizeTo | None = None) -> SwigluOut:
         """F2: row-scaled gate/up GEMM with SwiGLU.
 
         h (M, d); weight (2F, d) with gate/up rows interleaved; rstd (M,).
         Returns preact = rstd ⊙ (h·Wᵀ) (M, 2F), kept for the backward, and y = silu(g)·u (M, F)
-        with g = preact[:, 0::2], u = preact[:, 1::2].
+        with g = preact[:, 0::2], u = preact[:, 1::2]. h and weight may be `Fp8Tensor`s;
+        y_fp8: y is written as an `Fp8Tensor` (from the unrounded preact, as the bf16 y).
         """
 
     @abstractmethod
@@ -283,6 +318,7 @@ class StageBackend(ABC):
         QKV bias (Qwen2), in the weight's row order, added before RoPE.
         Returns qkv (M, N_qkv) = rope(z), z = rstd ⊙ (h·Wᵀ) + bias, rotating adjacent pairs of the
         first rope_heads·head_dim columns (module docstring); the v columns pass through.
+        h and weight may be `Fp8Tensor`s; qkv stays in the activation dtype (attention's input).
         """
 
     def gemm_rstd_qknorm_rope(
@@ -387,6 +423,7 @@ class StageBackend(ABC):
         rope_heads: int,
         rope: Rope,
         bias: torch.Tensor | None = None,
+        dz_fp8: QuantizeTo | None = None,
     ) -> RopeBwdOut:
         """Backward of F4's RoPE epilogue, with the ZdZ of the attention norm.
 
@@ -394,7 +431,8 @@ class StageBackend(ABC):
         arguments and bias as in `gemm_rstd_rope`. Returns dz = the gradient rotated back by
         −angle and zdz = Σ_n qkv·dqkv, which equals Σ_n z·dz because RoPE is orthogonal; with a
         bias, zdz = Σ_n (z − bias)·dz (the norm's GEMM output excludes it; `bias_grad` gives
-        the bias's own gradient).
+        the bias's own gradient). dz_fp8: dz is written as an `Fp8Tensor` (the QKV dgrad's and
+        wgrad's FP8 operand; zdz is still formed from the unrounded values).
         """
 
     def qknorm_rope_bwd(
@@ -452,21 +490,46 @@ class StageBackend(ABC):
         n = rstd ⊙ x ⊙ γ (the A operand of the consumer's wgrad dW = dzᵀ·n);
         dgamma_partials (P_m, d): sums of dn ⊙ x ⊙ rstd over P_m ≥ 1 row tiles, as the backend's
         GEMM tiles them; dγ = dgamma_partials.sum(0). Consumers rely only on that sum.
+        dz and weight may be `Fp8Tensor`s (`gemm_rms_bwd_fp8` also writes FP8 outputs).
         """
 
+    def gemm_rms_bwd_fp8(
+        self,
+        dz: Fp8Tensor,
+        weight: Fp8Tensor,
+        x: torch.Tensor,
+        gamma: torch.Tensor,
+        rstd: torch.Tensor,
+        zdz: torch.Tensor,
+        residual_grad: torch.Tensor | None = None,
+        *,
+        n_fp8: QuantizeTo,
+        dx_fp8: QuantizeTo | None = None,
+    ) -> RmsBwdFp8Out:
+        """`gemm_rms_bwd` on FP8 operands, writing n as an `Fp8Tensor` (the consumer's wgrad
+        operand) and, with dx_fp8, dx twice: in the activation dtype (the residual path, the
+        embedding) and as an `Fp8Tensor` (the operand of the GEMMs whose output gradient it is).
+        Only the reference stages have it so far."""
+        raise NotImplementedError(f"stage backend {self.name!r} has no FP8 stages")
+
     @abstractmethod
-    def gemm_dswiglu(self, dout: torch.Tensor, weight: torch.Tensor, preact: torch.Tensor) -> DSwigluOut:
+    def gemm_dswiglu(self, dout: torch.Tensor, weight: torch.Tensor, preact: torch.Tensor, *,
+                     dpreact_fp8: QuantizeTo | None = None, y_fp8: QuantizeTo | None = None) -> DSwigluOut:
         """Down-projection dgrad with the SwiGLU backward in its epilogue, and the MLP norm's ZdZ.
 
         dout (M, d) gradient of the down-projection output (the residual-stream gradient);
         weight (d, F) = W_down; preact (M, 2F) from `gemm_rstd_swiglu`.
         With dy = dout·W: dg = dy·u·silu'(g), du = dy·silu(g). Returns dpreact (interleaved like
         preact), y = silu(g)·u recomputed for dW_down = doutᵀ·y, and zdz = Σ_f (g·dg + u·du).
+        dout and weight may be `Fp8Tensor`s (outputs in preact's dtype); dpreact_fp8 and y_fp8
+        write dpreact and y as `Fp8Tensor`s (zdz from the unrounded values). The recomputed y
+        takes the scale the forward's y had.
         """
 
     @abstractmethod
     def dgrad(self, dz: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """Plain dgrad GEMM: dz (M, N), weight (N, K) → dz·W (M, K) (the out-projection's)."""
+        """Plain dgrad GEMM: dz (M, N), weight (N, K) → dz·W (M, K) (the out-projection's); both
+        may be `Fp8Tensor`s."""
 
     @abstractmethod
     def wgrad(
@@ -476,8 +539,16 @@ class StageBackend(ABC):
 
         With accumulate_into (N, K), adds the product into it in place and returns it (used to
         sum the LM-head weight gradient over row chunks); it may have the stat dtype, so that the
-        sum over chunks is not rounded to the activation dtype at every step.
+        sum over chunks is not rounded to the activation dtype at every step. dz and a may be
+        `Fp8Tensor`s (the four layer GEMMs' weight gradients).
         """
+
+    def quantize(self, x: torch.Tensor, to: QuantizeTo) -> Fp8Tensor:
+        """x (any shape, activation dtype) as an `Fp8Tensor` standing for x's dtype, with its amax:
+        the cast of a GEMM operand no stage epilogue writes (attention's output, the LM head's dx)
+        and of the weights (current scaling, once per optimizer step). Only the reference stages
+        have it so far."""
+        raise NotImplementedError(f"stage backend {self.name!r} has no FP8 stages")
 
     @abstractmethod
     def entry_bwd(self, dx: torch.Tensor, tokens: torch.Tensor, *, num_embeddings: int) -> torch.Tensor:

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from codatrain.kernels.attention import AttentionFn, Documents, causal_attention, documents_from_ids
+from codatrain.kernels.fp8 import Fp8Recipe, Fp8Scaling, Fp8Step, Fp8Tensor, Operand, QuantizeTo
 from codatrain.kernels.resolve import ResolvedBlock, portable_block
 from codatrain.kernels.stages import IGNORE_INDEX, Rope, StageBackend
 from codatrain.model.config import LlamaConfig
@@ -69,11 +70,12 @@ class ForwardStep:
     dtype: torch.dtype | None  # the autocast dtype when autocast is on: custom Functions are not
     # autocast-aware, so the modules cast their parameters themselves
     documents: Documents | None = None  # attention stays within these documents when given
+    fp8: Fp8Step | None = None  # the layer GEMMs' FP8 scales and amax records (block.precision=fp8)
 
     @classmethod
     def of(
         cls, stages: StageBackend, attention: AttentionFn, batch: int, seq_len: int, device: torch.device,
-        documents: Documents | None = None,
+        documents: Documents | None = None, fp8: Fp8Step | None = None,
     ) -> ForwardStep:
         """The step of `batch` sequences of `seq_len` tokens on `device`, rows in sequence order,
         packed with `documents` (None: each row is one sequence)."""
@@ -89,6 +91,7 @@ class ForwardStep:
             batch=batch,
             dtype=torch.get_autocast_dtype(device.type) if autocast else None,
             documents=documents,
+            fp8=fp8,
         )
 
 
@@ -104,42 +107,102 @@ def _dgamma(partials: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
     return partials.sum(0).to(gamma.dtype)
 
 
+# ---- FP8 (block.precision=fp8): which operand a stage writes in FP8, and its amax ----------------
+# With `f` None (bf16) the stages get no FP8 argument and the weights stay as they are.
+
+
+def _fp8_arg(f: Fp8Step | None, layer: int, operand: Operand, key: str) -> dict[str, QuantizeTo]:
+    """The keyword that asks a producer stage for `operand` in FP8, or none."""
+    return {} if f is None else {key: f.to(layer, operand)}
+
+
+def _record(f: Fp8Step | None, layer: int, operand: Operand, quantized: Fp8Tensor) -> None:
+    if f is not None:
+        f.record(layer, operand, quantized)
+
+
+def _weights(s: StageBackend, f: Fp8Step | None, *weights: torch.Tensor) -> list[torch.Tensor | Fp8Tensor]:
+    """The GEMM operands of `weights`: FP8 copies from their current amax, or the weights."""
+    return list(weights) if f is None else [s.quantize(w, f.recipe.weight()) for w in weights]
+
+
+def _quantize(s: StageBackend, f: Fp8Step | None, layer: int, operand: Operand,
+              x: torch.Tensor) -> torch.Tensor | Fp8Tensor:
+    """x as a GEMM operand that no stage epilogue writes (attention's output, the head's dx)."""
+    if f is None:
+        return x
+    quantized = s.quantize(x, f.to(layer, operand))
+    _record(f, layer, operand, quantized)
+    return quantized
+
+
 # ---- the MLP half of a shifted layer, shared by the middle and the last layer ------------------
 
 
 def _mlp_forward(
     s: StageBackend, c: _Consts, o: torch.Tensor, x_in: torch.Tensor, w_o: torch.Tensor,
     gamma_mlp: torch.Tensor, w_gu: torch.Tensor, w_down: torch.Tensor, gamma_out: torch.Tensor,
-) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor, torch.Tensor]:
-    """F1 R1 F2 F3 R2. Returns (tensors the backward needs, x_out, h_out = x_out ⊙ γ_out, rstd_out)."""
-    x1, h1, sq1 = s.gemm_residual_rms(o, w_o, x_in, gamma_mlp)
+    f: Fp8Step | None, layer: int, h_out_fp8: bool,
+) -> tuple[tuple[torch.Tensor | None, ...], torch.Tensor, torch.Tensor | Fp8Tensor, torch.Tensor]:
+    """F1 R1 F2 F3 R2 of `layer`. Returns (tensors the backward needs, x_out, h_out = x_out ⊙ γ_out,
+    rstd_out); with FP8, h_out is the next layer's QKV operand when `h_out_fp8`, else (the LM head's
+    input) in the activation dtype."""
+    wq_o, wq_gu, wq_down = _weights(s, f, w_o, w_gu, w_down)
+    oq = _quantize(s, f, layer, Operand.out_in, o)
+    x1, h1, sq1 = s.gemm_residual_rms(oq, wq_o, x_in, gamma_mlp,
+                                      **_fp8_arg(f, layer, Operand.gate_up_in, "h_fp8"))
     r1 = s.rstd_from_partials(sq1, dim=c.dim, eps=c.eps)
-    preact, y = s.gemm_rstd_swiglu(h1, w_gu, r1)
-    x2, h2, sq2 = s.gemm_residual_rms(y, w_down, x1, gamma_out)
+    preact, y = s.gemm_rstd_swiglu(h1, wq_gu, r1, **_fp8_arg(f, layer, Operand.down_in, "y_fp8"))
+    h_out = _fp8_arg(f, layer + 1, Operand.qkv_in, "h_fp8") if h_out_fp8 else {}
+    x2, h2, sq2 = s.gemm_residual_rms(y, wq_down, x1, gamma_out, **h_out)
     r2 = s.rstd_from_partials(sq2, dim=c.dim, eps=c.eps)
-    return (o, x1, r1, preact, w_o, gamma_mlp, w_gu, w_down), x2, h2, r2
+    if f is None:
+        return (o, None, None, x1, r1, preact, w_o, gamma_mlp, w_gu, w_down), x2, h2, r2
+    f.record(layer, Operand.gate_up_in, h1)
+    f.record(layer, Operand.down_in, y)
+    if h_out_fp8:
+        f.record(layer + 1, Operand.qkv_in, h2)
+    # o is kept in FP8 for its wgrad; the backward recomputes y with the forward's scale.
+    return (oq.data, oq.scale, y.scale, x1, r1, preact, w_o, gamma_mlp, w_gu, w_down), x2, h2, r2
 
 
 def _mlp_backward(
-    s: StageBackend, saved: tuple[torch.Tensor, ...], dx2: torch.Tensor
+    s: StageBackend, saved: tuple[torch.Tensor | None, ...], dx2: torch.Tensor,
+    dx2_operand: torch.Tensor | Fp8Tensor, f: Fp8Step | None, layer: int,
 ) -> tuple[torch.Tensor, ...]:
-    """Backward of `_mlp_forward` given dx2, the full gradient of x_out.
+    """Backward of `_mlp_forward` given dx2, the full gradient of x_out, and dx2_operand, the same
+    as the down-projection's GEMM operand (dx2 itself, or its FP8 copy).
 
     Returns (do, dx_in, dW_o, dγ_mlp, dW_gu, dW_down).
     """
-    o, x1, r1, preact, w_o, gamma_mlp, w_gu, w_down = saved
-    dpreact, y, zdz = s.gemm_dswiglu(dx2, w_down, preact)
-    dw_down = s.wgrad(dx2, y)
+    o, o_scale, y_scale, x1, r1, preact, w_o, gamma_mlp, w_gu, w_down = saved
+    wq_o, wq_gu, wq_down = _weights(s, f, w_o, w_gu, w_down)
+    y_arg = {}
+    if f is not None:
+        o = Fp8Tensor(o, o_scale, x1.dtype)
+        y_arg = {"y_fp8": QuantizeTo(f.recipe.format_of(Operand.down_in), y_scale)}
+    dpreact, y, zdz = s.gemm_dswiglu(dx2_operand, wq_down, preact,
+                                     **_fp8_arg(f, layer, Operand.gate_up_grad, "dpreact_fp8"), **y_arg)
+    dw_down = s.wgrad(dx2_operand, y)
     # x1 feeds both the MLP norm and the residual path to x2, whose gradient the epilogue adds.
-    dx1, n1, dgamma = s.gemm_rms_bwd(dpreact, w_gu, x1, gamma_mlp, r1, zdz, dx2)
+    if f is None:
+        dx1, n1, dgamma = s.gemm_rms_bwd(dpreact, wq_gu, x1, gamma_mlp, r1, zdz, dx2)
+        dx1_operand = dx1
+    else:
+        _record(f, layer, Operand.gate_up_grad, dpreact)
+        dx1, dx1_operand, n1, dgamma = s.gemm_rms_bwd_fp8(
+            dpreact, wq_gu, x1, gamma_mlp, r1, zdz, dx2, n_fp8=f.to(layer, Operand.gate_up_wgrad_in),
+            dx_fp8=f.to(layer, Operand.out_grad))
+        _record(f, layer, Operand.gate_up_wgrad_in, n1)
+        _record(f, layer, Operand.out_grad, dx1_operand)
     dw_gu = s.wgrad(dpreact, n1)
-    do = s.dgrad(dx1, w_o)
-    dw_o = s.wgrad(dx1, o)
+    do = s.dgrad(dx1_operand, wq_o)
+    dw_o = s.wgrad(dx1_operand, o)
     # x1 = x_in + o·W_oᵀ: x_in's gradient is dx1 itself.
     return do, dx1, dw_o, _dgamma(dgamma, gamma_mlp), dw_gu, dw_down
 
 
-_MLP_SAVED = 8  # number of tensors `_mlp_forward` hands to the backward
+_MLP_SAVED = 10  # number of tensors `_mlp_forward` hands to the backward
 
 
 # ---- F4, the QKV GEMM with its epilogue, shared by the entry and the middle layers -------------
@@ -161,20 +224,39 @@ def _qkv_forward(s: StageBackend, c: _Consts, h: torch.Tensor, w_qkv: torch.Tens
 def _qkv_backward(
     s: StageBackend, c: _Consts, dqkv: torch.Tensor, qkv: torch.Tensor, z: torch.Tensor | None,
     positions: torch.Tensor, b_qkv: torch.Tensor | None, q_norm: torch.Tensor | None,
-    k_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None, f: Fp8Step | None, layer: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """F4's epilogue backward: (dz, the attention norm's zdz, db_qkv, dq_norm, dk_norm), None for
-    what the model lacks."""
+    what the model lacks; dz in FP8 with `f` (a model with FP8 has neither bias nor QK-norm)."""
     bias = {} if b_qkv is None else {"bias": b_qkv}
     dq_norm = dk_norm = None
     if q_norm is None:
-        dz, zdz = s.rope_bwd(dqkv, qkv, positions, **c.rope, **bias)
+        dz, zdz = s.rope_bwd(dqkv, qkv, positions, **c.rope, **bias,
+                             **_fp8_arg(f, layer, Operand.qkv_grad, "dz_fp8"))
+        _record(f, layer, Operand.qkv_grad, dz)
     else:
         dz, zdz, dq, dk = s.qknorm_rope_bwd(dqkv, qkv, z, positions, **c.rope, q_heads=c.q_heads,
                                             q_weight=q_norm, k_weight=k_norm, eps=c.eps, **bias)
         dq_norm, dk_norm = dq.to(q_norm.dtype), dk.to(k_norm.dtype)
     db_qkv = None if b_qkv is None else s.bias_grad(dz).to(b_qkv.dtype)
     return dz, zdz, db_qkv, dq_norm, dk_norm
+
+
+def _qkv_gemm_backward(
+    s: StageBackend, f: Fp8Step | None, layer: int, dz: torch.Tensor | Fp8Tensor, w_qkv: torch.Tensor,
+    x: torch.Tensor, gamma: torch.Tensor, rstd: torch.Tensor, zdz: torch.Tensor,
+    dx_residual: torch.Tensor | None, dx_fp8: QuantizeTo | None,
+) -> tuple[torch.Tensor, torch.Tensor | Fp8Tensor, torch.Tensor, torch.Tensor]:
+    """The QKV dgrad with the attention norm's backward, and the QKV wgrad, of `layer`. Returns (dx,
+    dx as the down-projection's GEMM operand (FP8 when `dx_fp8`), dγ partials, dW_qkv)."""
+    if f is None:
+        dx, n, dgamma = s.gemm_rms_bwd(dz, w_qkv, x, gamma, rstd, zdz, dx_residual)
+        return dx, dx, dgamma, s.wgrad(dz, n)
+    (wq,) = _weights(s, f, w_qkv)
+    dx, dx_operand, n, dgamma = s.gemm_rms_bwd_fp8(dz, wq, x, gamma, rstd, zdz, dx_residual,
+                                                   n_fp8=f.to(layer, Operand.qkv_wgrad_in), dx_fp8=dx_fp8)
+    _record(f, layer, Operand.qkv_wgrad_in, n)
+    return dx, dx_operand, dgamma, s.wgrad(dz, n)
 
 
 def _unpack(ctx) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
@@ -193,24 +275,28 @@ class _EntryFn(torch.autograd.Function):
     """tokens → (x0, qkv0): entry, then layer 0's F4."""
 
     @staticmethod
-    def forward(ctx, tokens, positions, embedding, gamma, w_qkv, b_qkv, q_norm, k_norm, s, c, dtype):
-        x, h, rstd = s.entry(tokens, embedding, gamma, eps=c.eps, dtype=dtype)
-        qkv, z = _qkv_forward(s, c, h, w_qkv, rstd, positions, b_qkv, q_norm, k_norm)
+    def forward(ctx, tokens, positions, embedding, gamma, w_qkv, b_qkv, q_norm, k_norm, s, c, dtype, f):
+        x, h, rstd = s.entry(tokens, embedding, gamma, eps=c.eps, dtype=dtype,
+                             **_fp8_arg(f, 0, Operand.qkv_in, "h_fp8"))
+        _record(f, 0, Operand.qkv_in, h)
+        (wq_qkv,) = _weights(s, f, w_qkv)
+        qkv, z = _qkv_forward(s, c, h, wq_qkv, rstd, positions, b_qkv, q_norm, k_norm)
         ctx.save_for_backward(tokens, positions, x, rstd, qkv, z, gamma, w_qkv, b_qkv, q_norm, k_norm)
-        ctx.s, ctx.c, ctx.embedding_meta = s, c, (embedding.shape[0], embedding.dtype)
+        ctx.s, ctx.c, ctx.f, ctx.embedding_meta = s, c, f, (embedding.shape[0], embedding.dtype)
         return x, qkv
 
     @staticmethod
     def backward(ctx, dx_residual, dqkv):
         tokens, positions, x, rstd, qkv, z, gamma, w_qkv, b_qkv, q_norm, k_norm = ctx.saved_tensors
-        s, c = ctx.s, ctx.c
+        s, c, f = ctx.s, ctx.c, ctx.f
         with torch.autocast(dqkv.device.type, enabled=False):
-            dz, zdz, *dqkv_params = _qkv_backward(s, c, dqkv, qkv, z, positions, b_qkv, q_norm, k_norm)
-            dx, n, dgamma = s.gemm_rms_bwd(dz, w_qkv, x, gamma, rstd, zdz, dx_residual)
+            dz, zdz, *dqkv_params = _qkv_backward(s, c, dqkv, qkv, z, positions, b_qkv, q_norm, k_norm, f, 0)
+            dx, _, dgamma, dw_qkv = _qkv_gemm_backward(s, f, 0, dz, w_qkv, x, gamma, rstd, zdz, dx_residual,
+                                                       None)
             vocab, embedding_dtype = ctx.embedding_meta
             dembedding = s.entry_bwd(dx, tokens, num_embeddings=vocab).to(embedding_dtype)
-            dw_qkv = s.wgrad(dz, n)
-        return None, None, dembedding, _dgamma(dgamma, gamma), dw_qkv, *dqkv_params, None, None, None
+        return (None, None, dembedding, _dgamma(dgamma, gamma), dw_qkv, *dqkv_params, None, None, None,
+                None)
 
 
 class _LayerFn(torch.autograd.Function):
@@ -218,25 +304,31 @@ class _LayerFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, o, x_in, w_o, gamma_mlp, w_gu, w_down, gamma_next, w_qkv_next, b_qkv_next, q_norm_next,
-                k_norm_next, positions, s, c):
-        mlp_saved, x2, h2, r2 = _mlp_forward(s, c, o, x_in, w_o, gamma_mlp, w_gu, w_down, gamma_next)
-        qkv, z = _qkv_forward(s, c, h2, w_qkv_next, r2, positions, b_qkv_next, q_norm_next, k_norm_next)
+                k_norm_next, positions, s, c, f, layer):
+        mlp_saved, x2, h2, r2 = _mlp_forward(s, c, o, x_in, w_o, gamma_mlp, w_gu, w_down, gamma_next, f,
+                                             layer, h_out_fp8=True)
+        (wq_qkv,) = _weights(s, f, w_qkv_next)
+        qkv, z = _qkv_forward(s, c, h2, wq_qkv, r2, positions, b_qkv_next, q_norm_next, k_norm_next)
         ctx.save_for_backward(*mlp_saved, x2, r2, qkv, z, positions, gamma_next, w_qkv_next, b_qkv_next,
                               q_norm_next, k_norm_next)
-        ctx.s, ctx.c = s, c
+        ctx.s, ctx.c, ctx.f, ctx.layer = s, c, f, layer
         return x2, qkv
 
     @staticmethod
     def backward(ctx, dx_residual, dqkv):
         mlp_saved, saved = _unpack(ctx)
         x2, r2, qkv, z, positions, gamma_next, w_qkv_next, *qkv_params = saved
-        s, c = ctx.s, ctx.c
+        s, c, f, layer = ctx.s, ctx.c, ctx.f, ctx.layer
         with torch.autocast(dqkv.device.type, enabled=False):
-            dz, zdz, *dqkv_params = _qkv_backward(s, c, dqkv, qkv, z, positions, *qkv_params)
-            dx2, n2, dgamma_next = s.gemm_rms_bwd(dz, w_qkv_next, x2, gamma_next, r2, zdz, dx_residual)
-            dw_qkv_next = s.wgrad(dz, n2)
-            mlp_grads = _mlp_backward(s, mlp_saved, dx2)
-        return *mlp_grads, _dgamma(dgamma_next, gamma_next), dw_qkv_next, *dqkv_params, None, None, None
+            dz, zdz, *dqkv_params = _qkv_backward(s, c, dqkv, qkv, z, positions, *qkv_params, f, layer + 1)
+            dx2_fp8 = None if f is None else f.to(layer, Operand.down_grad)
+            dx2, dx2_operand, dgamma_next, dw_qkv_next = _qkv_gemm_backward(
+                s, f, layer + 1, dz, w_qkv_next, x2, gamma_next, r2, zdz, dx_residual, dx2_fp8)
+            if f is not None:
+                _record(f, layer, Operand.down_grad, dx2_operand)
+            mlp_grads = _mlp_backward(s, mlp_saved, dx2, dx2_operand, f, layer)
+        return (*mlp_grads, _dgamma(dgamma_next, gamma_next), dw_qkv_next, *dqkv_params, None, None, None,
+                None, None)
 
 
 class _FinalLossFn(torch.autograd.Function):
@@ -248,14 +340,16 @@ class _FinalLossFn(torch.autograd.Function):
     backward scales those gradients by the incoming dloss alone."""
 
     @staticmethod
-    def forward(ctx, o, x_in, w_o, gamma_mlp, w_gu, w_down, gamma_final, w_lm, targets, s, c, chunk_rows):
-        mlp_saved, x2, _, _ = _mlp_forward(s, c, o, x_in, w_o, gamma_mlp, w_gu, w_down, gamma_final)
+    def forward(ctx, o, x_in, w_o, gamma_mlp, w_gu, w_down, gamma_final, w_lm, targets, s, c, chunk_rows, f,
+                layer):
+        mlp_saved, x2, _, _ = _mlp_forward(s, c, o, x_in, w_o, gamma_mlp, w_gu, w_down, gamma_final, f, layer,
+                                           h_out_fp8=False)
         head = s.lm_head_ce(x2, gamma_final, w_lm, targets, eps=c.eps, chunk_rows=chunk_rows)
         ctx.save_for_backward(*mlp_saved, head.dx, head.dgamma)
         # Intermediates, kept on ctx so that the backward can drop them (gigabytes: the V×d fp32
         # sum and a chunk of dlogits) before the last layer's backward allocates its own.
         ctx.head_dweight = (head.dweight, head.last_dlogits, head.last_n)
-        ctx.s, ctx.dtypes = s, (gamma_final.dtype, w_lm.dtype)
+        ctx.s, ctx.f, ctx.layer, ctx.dtypes = s, f, layer, (gamma_final.dtype, w_lm.dtype)
         return head.loss.sum()
 
     @staticmethod
@@ -266,8 +360,10 @@ class _FinalLossFn(torch.autograd.Function):
             scale = dloss.to(dgamma.dtype)
             dw_lm = ctx.s.lm_head_dweight(*ctx.head_dweight, scale, w_dtype)
             ctx.head_dweight = None
-            mlp_grads = _mlp_backward(ctx.s, mlp_saved, dx2 * scale)
-        return *mlp_grads, _scaled(dgamma, scale, gamma_dtype), dw_lm, None, None, None, None
+            dx2 = dx2 * scale
+            dx2_operand = _quantize(ctx.s, ctx.f, ctx.layer, Operand.down_grad, dx2)
+            mlp_grads = _mlp_backward(ctx.s, mlp_saved, dx2, dx2_operand, ctx.f, ctx.layer)
+        return *mlp_grads, _scaled(dgamma, scale, gamma_dtype), dw_lm, None, None, None, None, None, None
 
 
 def _scaled(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -275,10 +371,11 @@ def _scaled(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.T
     return torch.mul(t, scale, out=torch.empty(t.shape, dtype=dtype, device=t.device))
 
 
-def _final_loss_without_grad(s: StageBackend, c: _Consts, o, x_in, w_o, gamma_mlp, w_gu, w_down,
-                             gamma_final, w_lm, targets) -> torch.Tensor:
+def _final_loss_without_grad(s: StageBackend, c: _Consts, f: Fp8Step | None, layer: int, o, x_in, w_o,
+                             gamma_mlp, w_gu, w_down, gamma_final, w_lm, targets) -> torch.Tensor:
     """`_FinalLossFn`'s loss alone (evaluation): the LSE epilogue of one logits GEMM, no gradients."""
-    _, _, h2, r2 = _mlp_forward(s, c, o, x_in, w_o, gamma_mlp, w_gu, w_down, gamma_final)
+    _, _, h2, r2 = _mlp_forward(s, c, o, x_in, w_o, gamma_mlp, w_gu, w_down, gamma_final, f, layer,
+                                h_out_fp8=False)
     lse, target_logit = s.gemm_rstd_lse(h2, w_lm, r2, targets)
     return torch.where(targets != IGNORE_INDEX, lse - target_logit, 0.0).sum()
 
@@ -287,11 +384,12 @@ class _FinalLogitsFn(torch.autograd.Function):
     """(o, x_in) → logits (M, V): F1 R1 F2 F3 R2, then the row-scaled LM-head GEMM."""
 
     @staticmethod
-    def forward(ctx, o, x_in, w_o, gamma_mlp, w_gu, w_down, gamma_final, w_lm, s, c):
-        mlp_saved, x2, h2, r2 = _mlp_forward(s, c, o, x_in, w_o, gamma_mlp, w_gu, w_down, gamma_final)
+    def forward(ctx, o, x_in, w_o, gamma_mlp, w_gu, w_down, gamma_final, w_lm, s, c, f, layer):
+        mlp_saved, x2, h2, r2 = _mlp_forward(s, c, o, x_in, w_o, gamma_mlp, w_gu, w_down, gamma_final, f,
+                                             layer, h_out_fp8=False)
         logits = s.gemm_rstd(h2, w_lm, r2)
         ctx.save_for_backward(*mlp_saved, x2, r2, logits, gamma_final, w_lm)
-        ctx.s = s
+        ctx.s, ctx.f, ctx.layer = s, f, layer
         return logits
 
     @staticmethod
@@ -302,8 +400,9 @@ class _FinalLogitsFn(torch.autograd.Function):
             zdz = s.row_dot(logits, dlogits)
             dx2, n2, dgamma = s.gemm_rms_bwd(dlogits, w_lm, x2, gamma_final, r2, zdz)
             dw_lm = s.wgrad(dlogits, n2)
-            mlp_grads = _mlp_backward(s, mlp_saved, dx2)
-        return *mlp_grads, _dgamma(dgamma, gamma_final), dw_lm, None, None
+            dx2_operand = _quantize(s, ctx.f, ctx.layer, Operand.down_grad, dx2)
+            mlp_grads = _mlp_backward(s, mlp_saved, dx2, dx2_operand, ctx.f, ctx.layer)
+        return *mlp_grads, _dgamma(dgamma, gamma_final), dw_lm, None, None, None, None
 
 
 # ---- modules -----------------------------------------------------------------------------------
@@ -345,16 +444,17 @@ class CodaEntry(nn.Module):
                 tokens, step.positions, embedding, _cast(self.gamma_attn, step.dtype),
                 _cast(self.w_qkv, step.dtype),
                 *(_cast_optional(p, step.dtype) for p in (self.b_qkv, self.q_norm, self.k_norm)),
-                step.stages, self.consts, step.dtype,
+                step.stages, self.consts, step.dtype, step.fp8,
             )
 
 
 class _ShiftedLayer(nn.Module):
     """Attention of layer i, its out-projection and MLP, and the norm γ that F3 applies."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, index: int) -> None:
         super().__init__()
         self.cfg, self.consts = cfg, _consts(cfg)
+        self.index = index  # the layer's number: its FP8 amax histories'
         self.w_o = _param(cfg.dim, cfg.n_heads * cfg.head_dim)
         self.gamma_mlp = _param(cfg.dim)
         self.w_gate_up = _param(2 * cfg.ffn_dim, cfg.dim)
@@ -373,8 +473,8 @@ class _ShiftedLayer(nn.Module):
 class CodaLayer(_ShiftedLayer):
     """Layer i (not the last) plus layer i+1's attention norm γ and QKV weight."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: LlamaConfig, index: int) -> None:
+        super().__init__(cfg, index)
         self.gamma_attn_next = _param(cfg.dim)
         self.w_qkv_next = _param(cfg.qkv_dim, cfg.dim)
         self.b_qkv_next = _param(cfg.qkv_dim) if cfg.qkv_bias else None
@@ -392,7 +492,7 @@ class CodaLayer(_ShiftedLayer):
                 _cast(self.w_qkv_next, step.dtype),
                 *(_cast_optional(p, step.dtype) for p in (self.b_qkv_next, self.q_norm_next,
                                                           self.k_norm_next)),
-                step.positions, step.stages, self.consts,
+                step.positions, step.stages, self.consts, step.fp8, self.index,
             )
 
 
@@ -400,7 +500,7 @@ class CodaFinalLayer(_ShiftedLayer):
     """The last layer plus the final norm γ and the LM head (unless tied: `CodaLlama` owns it then)."""
 
     def __init__(self, cfg: LlamaConfig, head_chunk_rows: int) -> None:
-        super().__init__(cfg)
+        super().__init__(cfg, cfg.n_layers - 1)
         self.head_chunk_rows = head_chunk_rows
         self.gamma_final = _param(cfg.dim)
         self.w_lm_head = None if cfg.tie_embeddings else _param(cfg.vocab_size, cfg.dim)
@@ -415,11 +515,13 @@ class CodaFinalLayer(_ShiftedLayer):
         head = self.w_lm_head if tied_embedding is None else tied_embedding
         params = [*self.mlp_params(step.dtype), _cast(self.gamma_final, step.dtype), _cast(head, step.dtype)]
         with torch.autocast(x.device.type, enabled=False):
+            fp8 = (step.fp8, self.index)
             if targets is None:
-                return _FinalLogitsFn.apply(o, x, *params, step.stages, self.consts)
+                return _FinalLogitsFn.apply(o, x, *params, step.stages, self.consts, *fp8)
             if not torch.is_grad_enabled():
-                return _final_loss_without_grad(step.stages, self.consts, o, x, *params, targets)
-            return _FinalLossFn.apply(o, x, *params, targets, step.stages, self.consts, self.head_chunk_rows)
+                return _final_loss_without_grad(step.stages, self.consts, *fp8, o, x, *params, targets)
+            return _FinalLossFn.apply(o, x, *params, targets, step.stages, self.consts, self.head_chunk_rows,
+                                      *fp8)
 
 
 # ---- canonical layout ---------------------------------------------------------------------------
@@ -473,23 +575,29 @@ class CodaLlama(nn.Module):
     (default: the reference stages and PyTorch's attention, which run anywhere).
     head_chunk_rows: rows per chunk of the LM head (`lm_head_ce`; default: the backend's
     `head_chunk_rows(V)`).
+    fp8: the FP8 recipe of the layer GEMMs (block.precision=fp8), None for the compute dtype. The
+    model then holds its delayed-scaling state, `fp8_scaling` (training state, not parameters:
+    the trainer applies each step's amaxes and the checkpoint keeps it).
     """
 
     def __init__(self, cfg: LlamaConfig, block: ResolvedBlock | None = None,
-                 head_chunk_rows: int | None = None) -> None:
+                 head_chunk_rows: int | None = None, fp8: Fp8Recipe | None = None) -> None:
         super().__init__()
         block = block or portable_block()
         if block.stages is None or block.attention_fn is None:
             raise ValueError(f"{block} was resolved without a device: it names the kernels but holds none")
         self.cfg, self.block = cfg, block
         self.stages, self.attention_fn = block.stages, block.attention_fn
-        problem = block.unsupported_model(cfg.dim, cfg.ffn_dim, cfg.head_dim, qk_norm=cfg.qk_norm)
+        problem = block.unsupported_model(cfg.dim, cfg.ffn_dim, cfg.head_dim, qkv_bias=cfg.qkv_bias,
+                                          qk_norm=cfg.qk_norm, fp8=fp8 is not None)
         if problem:
             raise ValueError(problem)
+        # Tiny, on the CPU until the first forward moves it to the tokens' device.
+        self.fp8_scaling = None if fp8 is None else Fp8Scaling(fp8, cfg.n_layers, device="cpu")
         self.entry = CodaEntry(cfg)
         chunk_rows = head_chunk_rows or self.stages.head_chunk_rows(cfg.vocab_size)
         self.layers = nn.ModuleList(
-            [*(CodaLayer(cfg) for _ in range(cfg.n_layers - 1)), CodaFinalLayer(cfg, chunk_rows)]
+            [*(CodaLayer(cfg, i) for i in range(cfg.n_layers - 1)), CodaFinalLayer(cfg, chunk_rows)]
         )
         # The tied embedding and head (module docstring); None when untied.
         self.tied_embedding = _param(cfg.vocab_size, cfg.dim) if cfg.tie_embeddings else None
@@ -514,7 +622,13 @@ class CodaLlama(nn.Module):
             # Only PyTorch's attention reads flex_attention's block mask; FA4 takes cu_seqlens.
             block_mask = False if self.block.fa4 else None
             documents = documents_from_ids(doc_ids, block_mask=block_mask)
-        step = ForwardStep.of(self.stages, self.attention_fn, batch, seq, tokens.device, documents)
+        fp8 = None
+        if self.fp8_scaling is not None:
+            if self.fp8_scaling.history.device != tokens.device:
+                self.fp8_scaling.to(tokens.device)
+            # Only training steps record amaxes: evaluation leaves the history alone.
+            fp8 = self.fp8_scaling.step_view(record=torch.is_grad_enabled())
+        step = ForwardStep.of(self.stages, self.attention_fn, batch, seq, tokens.device, documents, fp8)
         x, qkv = self.entry(tokens.reshape(-1), step, self.tied_embedding)
         for layer in self.layers[:-1]:
             x, qkv = layer(qkv, x, step)

@@ -5,6 +5,8 @@ A checkpoint is a directory `<run_dir>/checkpoints/step_<n>/`:
     shard-<r+1:05d>-model-00001-of-00001.safetensors   tensors, one file per writing rank (DCP):
         model.<canonical name>                     the parameters
         optim.<canonical name>.<state>             the optimizer state (exp_avg, exp_avg_sq, step)
+        fp8.amax_history, fp8.steps                block.precision=fp8: the delayed-scaling state
+                                                   (codatrain/kernels/fp8.py: Fp8Scaling)
     rank_<r:05d>.json                              per-rank state: data loaders, RNG
     tokenizer/                                     a copy of the files of the run's tokenizer
                                                    (none for the byte tokenizer)
@@ -23,6 +25,10 @@ rest of the state is JSON; DCP's default format would pickle its index and non-t
 The tokenizer travels with the weights: readers of a checkpoint (`init_from`, generation, export)
 take `tokenizer/` (or the byte tokenizer) unless told otherwise. Checkpoints written before it was
 recorded have no `tokenizer` key; their tokenizer is unknown.
+
+The FP8 state is training state and optional both ways: a run with block.precision=fp8 that
+resumes a checkpoint without it (bf16 CODA, eager) starts a fresh amax history, and other runs
+ignore it; the weights are the same canonical tensors either way.
 
 Resuming restores the optimizer's hyperparameters and the LR schedule from the checkpoint (as
 torch's own optimizer state dicts do), so changed `optim.*` values take effect only in a fresh run.
@@ -74,6 +80,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from codatrain.data.tokenizer import load_tokenizer, tokenizer_files
+from codatrain.kernels.fp8 import Fp8Scaling
 from codatrain.model.config import LlamaConfig
 from codatrain.train.canonical_state import CanonicalMapping, Entry, canonical_state, state_entries
 from codatrain.train.checkpoint_files import (
@@ -94,6 +101,7 @@ READABLE_VERSIONS = (1, 2)
 TMP_PREFIX = ".tmp-"
 _MANIFEST_KEYS = ("step", "world_size", "model_config", "scheduler", "optimizer_param_groups", "files")
 _STEP_DIR = re.compile(r"step_(\d+)")
+FP8_PREFIX = "fp8."  # the checkpoint keys of the FP8 scaling state
 
 Log = Callable[[str], None]
 
@@ -320,13 +328,15 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 def write_checkpoint(directory: Path, step: int, model_cfg: LlamaConfig, model: nn.Module,
                      optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
                      loaders: Mapping[str, Stateful], mapping: CanonicalMapping,
-                     tokenizer: str = "byte") -> None:
+                     tokenizer: str = "byte", fp8_scaling: Fp8Scaling | None = None) -> None:
     """Every rank writes its tensors and state into the existing `directory`; then rank 0 copies
     the files of `tokenizer` (a data.tokenizer spec) and writes the manifest, last, with every
     file's size and checksum. An error on any rank is raised on every rank (as a
     CheckpointError), so none waits for the others forever."""
     rank = process_rank()
     tensors, param_groups = canonical_state(model, optimizer, mapping)
+    if fp8_scaling is not None:  # the same on every rank: DCP writes it once
+        tensors |= {f"{FP8_PREFIX}{key}": value for key, value in fp8_scaling.state_dict().items()}
     written: dict[str, dict[str, Any]] = {}
     error: BaseException | None = None
     try:
@@ -385,15 +395,44 @@ def checkpoint_tokenizer(path: str | os.PathLike, manifest: Mapping[str, Any]) -
 
 def load_checkpoint(path: Path, model_cfg: LlamaConfig, model: nn.Module, optimizer: torch.optim.Optimizer,
                     scheduler: torch.optim.lr_scheduler.LRScheduler, loaders: Mapping[str, Stateful],
-                    mapping: CanonicalMapping, log: Log) -> int:
+                    mapping: CanonicalMapping, log: Log, fp8_scaling: Fp8Scaling | None = None) -> int:
     """Load everything from a checkpoint directory; returns its step."""
     manifest = inspect_checkpoint(path, verify=False)  # verified when it was chosen
     _check_model_config(path, manifest, model_cfg)
     load_canonical_state(path, manifest, model, optimizer, mapping)
+    if fp8_scaling is not None:
+        _load_fp8_scaling(path, manifest, fp8_scaling, log)
     scheduler.load_state_dict(manifest["scheduler"])
     _load_rank_state(path, manifest["world_size"], loaders, log)
     log(f"resumed from {path} at step {manifest['step']}")
     return int(manifest["step"])
+
+
+def _saved_shapes(path: Path, manifest: Mapping[str, Any]) -> dict[str, list[int]]:
+    """The name and shape of every tensor in a checkpoint's safetensors files."""
+    shapes = {}
+    for name in manifest["files"]:
+        if name.endswith(".safetensors"):
+            with safe_open(str(path / name), framework="pt") as file:
+                shapes |= {key: file.get_slice(key).get_shape() for key in file.keys()}  # noqa: SIM118
+    return shapes
+
+
+def _load_fp8_scaling(path: Path, manifest: Mapping[str, Any], scaling: Fp8Scaling, log: Log) -> None:
+    """The checkpoint's FP8 scaling state into `scaling`; without one (a bf16 or eager run's), or
+    with another history length, the run starts a fresh amax history and says so."""
+    template = {f"{FP8_PREFIX}{key}": value.clone() for key, value in scaling.state_dict().items()}
+    saved = _saved_shapes(path, manifest)
+    history = f"{FP8_PREFIX}amax_history"
+    if not template.keys() <= saved.keys():
+        log(f"{path} holds no FP8 amax history (a bf16 or eager run's): starting a fresh one")
+        return
+    if list(saved[history]) != list(template[history].shape):
+        log(f"{path} holds an FP8 amax history of shape {list(saved[history])}, this run's is "
+            f"{list(template[history].shape)} (another block.fp8_history_len): starting a fresh one")
+        return
+    dcp_load(template, path, manifest)
+    scaling.load_state_dict({key.removeprefix(FP8_PREFIX): value for key, value in template.items()})
 
 
 def _load_rank_state(path: Path, saved_world_size: int, loaders: Mapping[str, Stateful], log: Log) -> None:

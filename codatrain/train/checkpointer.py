@@ -16,6 +16,7 @@ from torch import nn
 
 from codatrain.config import CheckpointConfig
 from codatrain.data.tokenizer import load_tokenizer
+from codatrain.kernels.fp8 import Fp8Scaling
 from codatrain.model.config import LlamaConfig
 from codatrain.train.canonical_state import CanonicalMapping, full_canonical_tensors
 from codatrain.train.checkpoint import (
@@ -46,8 +47,9 @@ class Checkpointer:
     def __init__(self, cfg: CheckpointConfig, run_dir: str | os.PathLike, model_cfg: LlamaConfig,
                  model: nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, loaders: Mapping[str, Stateful],
-                 log: Log, tokenizer: str = "byte") -> None:
+                 log: Log, tokenizer: str = "byte", fp8_scaling: Fp8Scaling | None = None) -> None:
         self.cfg, self.model_cfg = cfg, model_cfg
+        self.fp8_scaling = fp8_scaling  # block.precision=fp8: the amax histories, saved and resumed
         self.tokenizer = tokenizer  # the data.tokenizer spec the run trains with, saved with its weights
         self.run_dir = Path(run_dir)
         self.root = self.run_dir / CHECKPOINTS_DIR
@@ -121,7 +123,7 @@ class Checkpointer:
                 "(checkpoint.init_from) with another train.run_dir"
             )
         step = load_checkpoint(path, self.model_cfg, self.model, self.optimizer, self.scheduler, self.loaders,
-                               self.mapping, self.log)
+                               self.mapping, self.log, self.fp8_scaling)
         self.last_saved = (step, path)
         return step
 
@@ -153,7 +155,7 @@ class Checkpointer:
         error: Exception | None = None
         try:
             write_checkpoint(tmp, step, self.model_cfg, self.model, self.optimizer, self.scheduler,
-                             self.loaders, self.mapping, self.tokenizer)
+                             self.loaders, self.mapping, self.tokenizer, self.fp8_scaling)
             if process_rank() == 0:
                 replace_dir(tmp, final)
         except (CheckpointError, OSError) as save_error:

@@ -98,6 +98,12 @@ def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def all_reduce_max_(value: torch.Tensor) -> None:
+    """`value` becomes its elementwise maximum over all ranks, in place (NaN wins)."""
+    if dist.is_initialized():
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()

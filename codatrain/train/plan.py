@@ -13,9 +13,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from codatrain.config import AUTO_REPLICATE, ParallelConfig, RunConfig
+from codatrain.config import AUTO_REPLICATE, BlockConfig, ParallelConfig, Precision, RunConfig
 from codatrain.data.config import DataConfig
 from codatrain.kernels.cache import KernelShapes
+from codatrain.kernels.fp8 import GRAD_FORMATS, Fp8Recipe
 from codatrain.kernels.resolve import ResolvedBlock, resolve_block
 from codatrain.model.config import LlamaConfig
 from codatrain.train.float8 import float8_problem
@@ -78,6 +79,7 @@ class RunPlan:
     mesh: DataParallelMesh
     tokens_per_step: int
     grad_accum: int  # micro-batches per optimizer step and process
+    fp8: Fp8Recipe | None = None  # the CODA layer GEMMs' FP8 recipe (block.precision=fp8)
 
     def header(self) -> list[str]:
         """The run header: block, model, processes, batch and compute dtype; then the recipe."""
@@ -86,12 +88,16 @@ class RunPlan:
         optim = run.optim  # the model config's recipe, with any overrides
         clip = f"{optim.grad_clip:g}" if optim.grad_clip > 0 else "off"
         mesh = f" ({self.mesh.describe()})" if self.world_size > 1 else ""
+        if run.train.float8 != "none":
+            dtype += f" + float8 {run.train.float8} (torchao)"
+        elif self.fp8 is not None:
+            dtype += f", layer GEMMs in {self.fp8.describe()}"
         return [
             f"codatrain | block={self.block.describe()} | {run.model.preset}: "
             f"{cfg.num_params() / 1e6:.1f}M params, {cfg.flops_per_token(self.data.seq_len) / 1e9:.3f} "
             f"GFLOP/token | {self.world_size} × {self.device}{mesh} | seq {self.data.seq_len} × micro-batch "
             f"{run.train.micro_batch_size} × accum {self.grad_accum} = {self.tokens_per_step} tokens/step "
-            f"| {dtype}{'' if run.train.float8 == 'none' else f' + float8 {run.train.float8} (torchao)'}",
+            f"| {dtype}",
             f"recipe: AdamW lr {optim.lr:g}, {optim.warmup_steps} warmup steps, {optim.schedule} to "
             f"{optim.min_lr_ratio:g}× | weight decay {optim.weight_decay:g} | betas ({optim.beta1:g}, "
             f"{optim.beta2:g}) | grad clip {clip}",
@@ -110,10 +116,12 @@ def build_run_plan(run: RunConfig, device: torch.device | None, world_size: int 
     tokenizer, tokenizer_line = run_tokenizer(run)
     data = replace(run.data, tokenizer=tokenizer)
     block = resolve_block(run.block.impl, run.block.backend, run.block.attention, device, model_cfg.head_dim)
+    fp8 = fp8_recipe(run.block)
     # Refused here, before anything compiles: a width or an epilogue the kernels cannot take would
     # otherwise stop the kernel build with a compiler error.
     problem = (block.unsupported_model(model_cfg.dim, model_cfg.ffn_dim, model_cfg.head_dim,
-                                       qk_norm=model_cfg.qk_norm)
+                                       qkv_bias=model_cfg.qkv_bias, qk_norm=model_cfg.qk_norm,
+                                       fp8=fp8 is not None)
                or float8_problem(run.train.float8, block.impl, device))
     if problem:
         raise ValueError(problem)
@@ -130,7 +138,7 @@ def build_run_plan(run: RunConfig, device: torch.device | None, world_size: int 
         dim=model_cfg.dim, n_heads=model_cfg.n_heads, n_kv_heads=model_cfg.n_kv_heads,
         head_dim=model_cfg.head_dim, ffn_dim=model_cfg.ffn_dim, vocab_size=model_cfg.vocab_size,
         batch=tcfg.micro_batch_size, seq_len=data.seq_len, stages=block.cute_stages, fa4=block.fa4,
-        documents=data.keep_document_boundaries, qkv_bias=model_cfg.qkv_bias,
+        documents=data.keep_document_boundaries,
     )
     gpu = device is None or device.type == "cuda"
     return RunPlan(
@@ -139,4 +147,13 @@ def build_run_plan(run: RunConfig, device: torch.device | None, world_size: int 
         compute_dtype=torch.bfloat16 if gpu else torch.float32,
         device="sm_90 target" if device is None else device.type, world_size=world_size,
         mesh=mesh, tokens_per_step=tokens_per_step, grad_accum=tokens_per_step // tokens_per_micro_step,
+        fp8=fp8,
     )
+
+
+def fp8_recipe(block: BlockConfig) -> Fp8Recipe | None:
+    """The FP8 recipe `block.precision=fp8` and the block.fp8_* keys ask for, or None for bf16."""
+    if block.precision != Precision.fp8:
+        return None
+    return Fp8Recipe(history_len=block.fp8_history_len, margin=block.fp8_margin,
+                     grad_dtype=GRAD_FORMATS[str(block.fp8_grad_format)])

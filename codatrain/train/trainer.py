@@ -22,6 +22,7 @@ from codatrain.train.checkpoint import CHECKPOINTS_DIR, checkpoint_dirs
 from codatrain.train.checkpointer import Checkpointer
 from codatrain.train.distributed import (
     DistInfo,
+    all_reduce_max_,
     all_reduce_sum,
     barrier,
     init_distributed,
@@ -97,7 +98,9 @@ class Trainer:
         # Build on the meta device, wrap, shard, then materialise: no process ever holds the full
         # model, and init is drawn per canonical tensor so it is the same for any sharding.
         with torch.device("meta"):
-            model = build_model(self.model_cfg, plan.block, device)
+            model = build_model(self.model_cfg, plan.block, device, fp8=plan.fp8)
+        # block.precision=fp8: the delayed-scaling state, training state beside the optimizer's.
+        self.fp8_scaling = getattr(model, "fp8_scaling", None)
         if tcfg.float8 != "none":
             apply_float8(model, tcfg.float8, emulate=device.type != "cuda")
         if tcfg.activation_checkpointing:
@@ -133,6 +136,7 @@ class Trainer:
         self.checkpointer = Checkpointer(
             run.checkpoint, self.run_dir, self.model_cfg, model, self.optimizer, self.scheduler,
             {"train": self.train_data}, log=self.logger.info, tokenizer=plan.data.tokenizer,
+            fp8_scaling=self.fp8_scaling,
         )
         self.step = self.checkpointer.restore()
         # Loop state: steps skipped as non-finite, the time since the last record and in this run,
@@ -224,7 +228,7 @@ class Trainer:
                 break
             step_started = time.perf_counter()
             loss, grad_norm, data_time = self.train_step(batches)
-            if not self.finite_or_skipped(loss, grad_norm):
+            if not self.finite_or_skipped(loss, grad_norm) or not self.fp8_amax_finite():
                 continue
             lr = self.optimizer_step()
             for timing in (self.window, self.run_time):
@@ -266,6 +270,8 @@ class Trainer:
         if math.isfinite(loss) and math.isfinite(grad_norm):
             return True
         self.optimizer.zero_grad(set_to_none=True)
+        if self.fp8_scaling is not None:
+            self.fp8_scaling.discard_step()
         allowed = self.run.train.skip_nonfinite_steps
         if self.skipped_steps < allowed:
             self.skipped_steps += 1
@@ -277,11 +283,30 @@ class Trainer:
             f"(train.skip_nonfinite_steps={allowed} allows skipping such steps)"
         )
 
+    def fp8_amax_finite(self) -> bool:
+        """True unless an FP8 amax of this step (over all ranks) is inf or NaN. Then the step's update
+        is skipped, its gradients and amaxes dropped (the history keeps its values), and the run
+        log says so in one line; a scale from such an amax would be meaningless."""
+        if self.fp8_scaling is None:
+            return True
+        all_reduce_max_(self.fp8_scaling.step_amax)  # every rank records the same history
+        bad = self.fp8_scaling.nonfinite()
+        if not bad:
+            return True
+        self.optimizer.zero_grad(set_to_none=True)
+        self.fp8_scaling.discard_step()
+        self.logger.info(f"step {self.step + 1}: FP8 amax not finite ({', '.join(bad)}); update skipped, "
+                         "the amax history kept")
+        return False
+
     def optimizer_step(self) -> float:
-        """Apply the accumulated gradients and advance the schedule; returns the step's lr."""
+        """Apply the accumulated gradients and advance the schedule (and the FP8 amax history);
+        returns the step's lr."""
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
+        if self.fp8_scaling is not None:
+            self.fp8_scaling.commit_step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return lr

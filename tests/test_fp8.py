@@ -1,0 +1,206 @@
+"""FP8 CODA (block.precision=fp8), its numerics and its reference stages (codatrain/kernels/fp8.py):
+the quantization against torch's own float8 casts, the scale and history rules, the FP8 stages
+against the same math on dequantized operands, and the model's loss and gradients against fp64
+within FP8's own error."""
+
+import pytest
+import torch
+from model_states import random_canonical_state
+from test_coda import CONFIGS, batch, canonical_grads, load_canonical
+
+from codatrain.kernels import fp8
+from codatrain.kernels.fp8 import (
+    E4M3,
+    E5M2,
+    Fp8Recipe,
+    Fp8Scaling,
+    Operand,
+    QuantizeTo,
+    delayed_scales,
+    fp8_max,
+    roll_history,
+    scale_from_amax,
+)
+from codatrain.kernels.stages import get_backend
+from codatrain.model.coda import CodaLlama
+
+FORMATS = [E4M3, E5M2]
+
+
+def fp8_grid(dtype: torch.dtype) -> torch.Tensor:
+    """Every finite value of an FP8 format, and the midpoints between neighbours (the ties)."""
+    values = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    values = values[torch.isfinite(values)].unique()
+    return torch.cat([values, (values[1:] + values[:-1]) / 2])
+
+
+@pytest.mark.parametrize("dtype", FORMATS, ids=["e4m3", "e5m2"])
+def test_quantize_is_torchs_float8_cast_with_saturation(dtype):
+    g = torch.Generator().manual_seed(0)
+    limit = fp8_max(dtype)
+    x = torch.cat([fp8_grid(dtype), torch.randn(4096, generator=g) * limit / 8,
+                   torch.tensor([limit * 1.5, -limit * 4, 1e-12])])
+    unit = fp8.quantize(x, QuantizeTo(dtype, torch.tensor(1.0)))
+    # Within range the cast is torch's (round to nearest, ties to even); beyond, it saturates.
+    torch.testing.assert_close(unit.data.float(), x.clamp(-limit, limit).to(dtype).float(), rtol=0, atol=0)
+    assert unit.amax == x.abs().max() and unit.dtype == torch.float32
+    # A scale s quantizes x·s (formed in fp32) and dequantizes by dividing by s.
+    scale = torch.tensor(3.0)
+    scaled = fp8.quantize(x / 64, QuantizeTo(dtype, scale))
+    torch.testing.assert_close(scaled.data.float(), (x / 64 * scale).clamp(-limit, limit).to(dtype).float(),
+                               rtol=0, atol=0)
+    torch.testing.assert_close(scaled.dequantize(), scaled.data.float() / 3.0, rtol=0, atol=0)
+    nan = fp8.quantize(torch.tensor([1.0, float("nan")]), QuantizeTo(dtype, torch.tensor(1.0)))
+    assert nan.amax.isnan() and nan.data.float()[1].isnan()
+
+
+@pytest.mark.parametrize("dtype", FORMATS, ids=["e4m3", "e5m2"])
+def test_current_scaling_maps_the_amax_to_the_formats_largest_value_less_the_margin(dtype):
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(1)) * 1e-4
+    for margin in (0, 2):
+        q = fp8.quantize(x, QuantizeTo(dtype, None, margin))
+        assert q.scale == pytest.approx(fp8_max(dtype) / x.abs().max().item() / 2 ** margin, rel=1e-6)
+        assert q.data.float().abs().max() == pytest.approx(fp8_max(dtype) / 2 ** margin, rel=0.07)
+    assert scale_from_amax(torch.tensor([0.0, float("inf"), float("nan"), 2.0]), 448.0, 1).tolist() == [
+        1.0, 1.0, 1.0, 112.0]
+
+
+def test_delayed_scales_come_from_the_history_of_earlier_steps_only():
+    history = torch.zeros(3)
+    for amax in (2.0, 8.0, 1.0, 0.5):
+        history = roll_history(history, torch.tensor(amax))
+    assert history.tolist() == [0.5, 1.0, 8.0]  # newest first; the oldest (2) dropped
+    assert delayed_scales(history, 448.0, 0).item() == 56.0  # the history's max, 8
+
+    scaling = Fp8Scaling(Fp8Recipe(history_len=2, margin=1), n_layers=1)
+    assert scaling.scales is None  # the first step: every tensor scales by its own current amax
+    step = scaling.step_view(record=True)
+    assert step.to(0, Operand.qkv_grad) == QuantizeTo(E5M2, None, 1)
+    for amax in (3.0, 7.0):  # two micro-batches: the step records their max
+        step.record(0, Operand.down_in, fp8.quantize(torch.tensor([amax]), step.to(0, Operand.down_in)))
+    scaling.commit_step()
+    assert scaling.scales[0, Operand.down_in].item() == pytest.approx(448 / 7 / 2)
+    assert scaling.scales[0, Operand.out_in].item() == 1.0  # nothing recorded: scale 1
+    assert scaling.step_view(record=False).step_amax is None and scaling.step_amax.abs().sum() == 0
+
+
+def operands(rows, *shapes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(rows if s is None else s, generator=g) for s in shapes]
+
+
+def test_fp8_stages_compute_the_fp32_math_of_their_dequantized_operands():
+    """What a cute FP8 stage must compute: the reference stage of the dequantized operands (in
+    fp64 here), with each FP8 output the quantization of its unrounded fp32 value."""
+    s = get_backend("reference")
+    m, d, f = 40, 24, 16
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g)
+
+    def q(x, dtype=E4M3):
+        return fp8.quantize(x, QuantizeTo(dtype, None))
+
+    def dq(t):
+        return t.dequantize().double()
+
+    def close(actual, expected):
+        atol = 2e-5 * expected.abs().max().item()
+        torch.testing.assert_close(actual.double(), expected, rtol=2e-5, atol=atol)
+
+    a, w, res, gamma, rstd = q(rand(m, f)), q(rand(d, f) * 0.1), rand(m, d), rand(d), rand(m).abs() + 0.5
+    to = QuantizeTo(E4M3, torch.tensor(20.0))
+    out = s.gemm_residual_rms(a, w, res, gamma, h_fp8=to)
+    ref = s.gemm_residual_rms(dq(a), dq(w), res.double(), gamma.double())
+    close(out.x, ref.x)
+    close(out.sq_partials, ref.sq_partials)
+    # h is quantized from the fp32 epilogue's x ⊙ γ (x as written in fp32 here).
+    assert torch.equal(out.h.data, fp8.quantize(out.x * gamma, to).data) and out.h.amax is not None
+
+    h, w_gu = q(rand(m, d)), q(rand(2 * f, d) * 0.1)
+    sw = s.gemm_rstd_swiglu(h, w_gu, rstd, y_fp8=to)
+    sw_ref = s.gemm_rstd_swiglu(dq(h), dq(w_gu), rstd.double())
+    close(sw.preact, sw_ref.preact)
+    close(sw.y.dequantize(), fp8.quantize(sw_ref.y, to).dequantize().double())
+
+    dz, x = q(rand(m, 2 * f) * 1e-3, E5M2), rand(m, d)
+    zdz = rand(m)
+    bwd = s.gemm_rms_bwd_fp8(dz, w_gu, x, gamma, rstd, zdz, res, n_fp8=QuantizeTo(E4M3, None),
+                             dx_fp8=QuantizeTo(E5M2, None))
+    bwd_ref = s.gemm_rms_bwd(dq(dz), dq(w_gu), x.double(), gamma.double(), rstd.double(), zdz.double(),
+                             res.double())
+    close(bwd.dx, bwd_ref.dx)
+    close(bwd.dgamma_partials, bwd_ref.dgamma_partials)
+    assert torch.equal(bwd.dx_fp8.data, fp8.quantize(bwd.dx, QuantizeTo(E5M2, None)).data)
+    assert torch.equal(bwd.n.data, fp8.quantize(bwd_ref.n.float(), QuantizeTo(E4M3, None)).data)
+
+    preact, dout, w_down = rand(m, 2 * f), q(rand(m, d) * 1e-3, E5M2), q(rand(d, f) * 0.1)
+    ds = s.gemm_dswiglu(dout, w_down, preact, dpreact_fp8=QuantizeTo(E5M2, None), y_fp8=to)
+    ds_ref = s.gemm_dswiglu(dq(dout), dq(w_down), preact.double())
+    close(ds.zdz, ds_ref.zdz)
+    assert torch.equal(ds.dpreact.data, fp8.quantize(ds_ref.dpreact.float(), QuantizeTo(E5M2, None)).data)
+    assert torch.equal(ds.y.data, fp8.quantize(ds_ref.y.float(), to).data)
+
+    close(s.dgrad(dz, w_gu), dq(dz) @ dq(w_gu))
+    close(s.wgrad(dz, h), dq(dz).t() @ dq(h))
+
+
+def fp8_gradient_errors(name: str, grad_dtype: torch.dtype) -> tuple[float, dict[str, float]]:
+    """The relative error of the FP8 model's loss and of each parameter gradient against the
+    fp64 model, both the reference CODA model on the same random weights and batch."""
+    cfg = CONFIGS[name]
+    state = random_canonical_state(cfg, torch.float64, 0)
+    exact = CodaLlama(cfg).double()
+    load_canonical(exact, state)
+    tokens, targets = batch(cfg, 2, 13, ignore=True)
+    exact_loss = exact(tokens, targets)
+    exact_loss.backward()
+    model = CodaLlama(cfg, fp8=Fp8Recipe(grad_dtype=grad_dtype))
+    load_canonical(model, {k: v.float() for k, v in state.items()})
+    loss = model(tokens, targets)
+    loss.backward()
+    expected, actual = canonical_grads(exact), canonical_grads(model)
+    errors = {k: ((actual[k].double() - v).norm() / v.norm()).item() for k, v in expected.items()}
+    return abs(loss.item() / exact_loss.item() - 1), errors
+
+
+def quantization_error(dtype: torch.dtype) -> float:
+    """The relative (norm) error of quantizing normal data with current scaling: FP8's own error."""
+    x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    return ((fp8.quantize(x, QuantizeTo(dtype, None)).dequantize().double() - x).norm() / x.norm()).item()
+
+
+@pytest.mark.parametrize("grad_format", ["e5m2", "e4m3"])
+@pytest.mark.parametrize("name", ["mha-L1", "gqa4-L2", "gqa2-L3", "llama3-tied-L2", "mqa6-L5"])
+def test_fp8_loss_and_every_gradient_are_within_fp8s_own_error_of_fp64(name, grad_format):
+    """The criterion: with ε the measured relative error of quantizing an operand (e4m3: 0.026,
+    e5m2: 0.053) and L the layers, every gradient's relative error against fp64 is at most
+    2·(L + 1)·(ε_e4m3 + ε_grad) (errors grow through the layers: measured 1.5–4.5× the sum at L =
+    1–5, about half the bound) and at least 0.1× that sum (measured ≥ 0.34×: the quantization
+    happened); the loss is within ε_e4m3 (measured ≤ 0.14 ε)."""
+    grad_dtype = fp8.GRAD_FORMATS[grad_format]
+    eps = quantization_error(E4M3) + quantization_error(grad_dtype)
+    loss_error, errors = fp8_gradient_errors(name, grad_dtype)
+    bound = 2 * (CONFIGS[name].n_layers + 1) * eps
+    assert loss_error < quantization_error(E4M3)
+    assert max(errors.values()) < bound, max(errors.items(), key=lambda kv: kv[1])
+    assert min(errors.values()) > 0.1 * eps, min(errors.items(), key=lambda kv: kv[1])
+
+
+def test_evaluation_records_no_amax_and_training_records_every_operand():
+    cfg = CONFIGS["gqa2-L3"]
+    model = CodaLlama(cfg, fp8=Fp8Recipe())
+    tokens, targets = batch(cfg, 2, 13, ignore=False)
+    with torch.no_grad():
+        model(tokens, targets)
+    assert model.fp8_scaling.step_amax.abs().sum() == 0
+    model(tokens, targets).backward()
+    assert (model.fp8_scaling.step_amax > 0).all()  # every (layer, operand) of the recipe
+
+
+@pytest.mark.parametrize("key", ["qkv_bias", "qk_norm"])
+def test_fp8_refuses_the_qkv_epilogues_it_does_not_cover(key):
+    cfg = CONFIGS["qwen2-bias-L3" if key == "qkv_bias" else "qwen3-qknorm-L3"]
+    with pytest.raises(ValueError, match=f"^block.precision=fp8 does not cover model.{key}=true yet"):
+        CodaLlama(cfg, fp8=Fp8Recipe())
