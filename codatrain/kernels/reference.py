@@ -106,14 +106,12 @@ class ReferenceStages(StageBackend):
         gamma: torch.Tensor,
         *,
         eps: float,
-        dtype: torch.dtype | None = None,
     ) -> EntryOut:
-        dtype = dtype or embedding.dtype
-        st = stat_dtype(dtype)
-        x = embedding[tokens].to(dtype)
+        st = stat_dtype(embedding.dtype)
+        x = embedding[tokens]
         xs = x.to(st)
         rstd = torch.rsqrt(xs.square().mean(-1) + eps)
-        return EntryOut(x, (xs * gamma.to(st)).to(dtype), rstd)
+        return EntryOut(x, (xs * gamma.to(st)).to(x.dtype), rstd)
 
     def gemm_residual_rms(
         self,

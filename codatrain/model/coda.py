@@ -66,8 +66,6 @@ class ForwardStep:
     positions: torch.Tensor  # (M,) int64: position of each token row within its sequence (its
     # document, when there are documents)
     batch: int
-    dtype: torch.dtype | None  # the autocast dtype when autocast is on: custom Functions are not
-    # autocast-aware, so the modules cast their parameters themselves
     documents: Documents | None = None  # attention stays within these documents when given
 
     @classmethod
@@ -77,7 +75,11 @@ class ForwardStep:
     ) -> ForwardStep:
         """The step of `batch` sequences of `seq_len` tokens on `device`, rows in sequence order,
         packed with `documents` (None: each row is one sequence)."""
-        autocast = torch.is_autocast_enabled(device.type)
+        if torch.is_autocast_enabled(device.type):
+            # The stages compute in the parameters' dtype, which FSDP2's MixedPrecisionPolicy sets
+            # (codatrain/train/parallelize.py); custom Functions under autocast would mix dtypes.
+            raise RuntimeError("the CODA model computes in its parameters' dtype and does not run "
+                               "under torch.autocast: give it parameters of the compute dtype")
         if documents is None:
             positions = torch.arange(seq_len, device=device).repeat(batch)
         else:
@@ -87,17 +89,8 @@ class ForwardStep:
             attention=attention,
             positions=positions,
             batch=batch,
-            dtype=torch.get_autocast_dtype(device.type) if autocast else None,
             documents=documents,
         )
-
-
-def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    return t if dtype is None or t.dtype == dtype else t.to(dtype)
-
-
-def _cast_optional(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
-    return None if t is None else _cast(t, dtype)
 
 
 def _dgamma(partials: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
@@ -185,32 +178,29 @@ def _unpack(ctx) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
 
 
 # ---- autograd Functions: forward stages in forward, backward stages in backward ----------------
-# The modules call `apply` with autocast off, and each backward turns it off too (a backward()
-# called inside an autocast region would otherwise run under it): stages choose their own dtypes.
+# Activations take the parameters' dtype (the compute dtype); statistics the stages' stat dtype.
 
 
 class _EntryFn(torch.autograd.Function):
     """tokens → (x0, qkv0): entry, then layer 0's F4."""
 
     @staticmethod
-    def forward(ctx, tokens, positions, embedding, gamma, w_qkv, b_qkv, q_norm, k_norm, s, c, dtype):
-        x, h, rstd = s.entry(tokens, embedding, gamma, eps=c.eps, dtype=dtype)
+    def forward(ctx, tokens, positions, embedding, gamma, w_qkv, b_qkv, q_norm, k_norm, s, c):
+        x, h, rstd = s.entry(tokens, embedding, gamma, eps=c.eps)
         qkv, z = _qkv_forward(s, c, h, w_qkv, rstd, positions, b_qkv, q_norm, k_norm)
         ctx.save_for_backward(tokens, positions, x, rstd, qkv, z, gamma, w_qkv, b_qkv, q_norm, k_norm)
-        ctx.s, ctx.c, ctx.embedding_meta = s, c, (embedding.shape[0], embedding.dtype)
+        ctx.s, ctx.c, ctx.vocab_size = s, c, embedding.shape[0]
         return x, qkv
 
     @staticmethod
     def backward(ctx, dx_residual, dqkv):
         tokens, positions, x, rstd, qkv, z, gamma, w_qkv, b_qkv, q_norm, k_norm = ctx.saved_tensors
         s, c = ctx.s, ctx.c
-        with torch.autocast(dqkv.device.type, enabled=False):
-            dz, zdz, *dqkv_params = _qkv_backward(s, c, dqkv, qkv, z, positions, b_qkv, q_norm, k_norm)
-            dx, n, dgamma = s.gemm_rms_bwd(dz, w_qkv, x, gamma, rstd, zdz, dx_residual)
-            vocab, embedding_dtype = ctx.embedding_meta
-            dembedding = s.entry_bwd(dx, tokens, num_embeddings=vocab).to(embedding_dtype)
-            dw_qkv = s.wgrad(dz, n)
-        return None, None, dembedding, _dgamma(dgamma, gamma), dw_qkv, *dqkv_params, None, None, None
+        dz, zdz, *dqkv_params = _qkv_backward(s, c, dqkv, qkv, z, positions, b_qkv, q_norm, k_norm)
+        dx, n, dgamma = s.gemm_rms_bwd(dz, w_qkv, x, gamma, rstd, zdz, dx_residual)
+        dembedding = s.entry_bwd(dx, tokens, num_embeddings=ctx.vocab_size)
+        dw_qkv = s.wgrad(dz, n)
+        return None, None, dembedding, _dgamma(dgamma, gamma), dw_qkv, *dqkv_params, None, None
 
 
 class _LayerFn(torch.autograd.Function):
@@ -231,11 +221,10 @@ class _LayerFn(torch.autograd.Function):
         mlp_saved, saved = _unpack(ctx)
         x2, r2, qkv, z, positions, gamma_next, w_qkv_next, *qkv_params = saved
         s, c = ctx.s, ctx.c
-        with torch.autocast(dqkv.device.type, enabled=False):
-            dz, zdz, *dqkv_params = _qkv_backward(s, c, dqkv, qkv, z, positions, *qkv_params)
-            dx2, n2, dgamma_next = s.gemm_rms_bwd(dz, w_qkv_next, x2, gamma_next, r2, zdz, dx_residual)
-            dw_qkv_next = s.wgrad(dz, n2)
-            mlp_grads = _mlp_backward(s, mlp_saved, dx2)
+        dz, zdz, *dqkv_params = _qkv_backward(s, c, dqkv, qkv, z, positions, *qkv_params)
+        dx2, n2, dgamma_next = s.gemm_rms_bwd(dz, w_qkv_next, x2, gamma_next, r2, zdz, dx_residual)
+        dw_qkv_next = s.wgrad(dz, n2)
+        mlp_grads = _mlp_backward(s, mlp_saved, dx2)
         return *mlp_grads, _dgamma(dgamma_next, gamma_next), dw_qkv_next, *dqkv_params, None, None, None
 
 
@@ -262,11 +251,10 @@ class _FinalLossFn(torch.autograd.Function):
     def backward(ctx, dloss):
         mlp_saved, (dx2, dgamma) = _unpack(ctx)
         gamma_dtype, w_dtype = ctx.dtypes
-        with torch.autocast(dloss.device.type, enabled=False):
-            scale = dloss.to(dgamma.dtype)
-            dw_lm = ctx.s.lm_head_dweight(*ctx.head_dweight, scale, w_dtype)
-            ctx.head_dweight = None
-            mlp_grads = _mlp_backward(ctx.s, mlp_saved, dx2 * scale)
+        scale = dloss.to(dgamma.dtype)
+        dw_lm = ctx.s.lm_head_dweight(*ctx.head_dweight, scale, w_dtype)
+        ctx.head_dweight = None
+        mlp_grads = _mlp_backward(ctx.s, mlp_saved, dx2 * scale)
         return *mlp_grads, _scaled(dgamma, scale, gamma_dtype), dw_lm, None, None, None, None
 
 
@@ -298,11 +286,10 @@ class _FinalLogitsFn(torch.autograd.Function):
     def backward(ctx, dlogits):
         mlp_saved, (x2, r2, logits, gamma_final, w_lm) = _unpack(ctx)
         s = ctx.s
-        with torch.autocast(dlogits.device.type, enabled=False):
-            zdz = s.row_dot(logits, dlogits)
-            dx2, n2, dgamma = s.gemm_rms_bwd(dlogits, w_lm, x2, gamma_final, r2, zdz)
-            dw_lm = s.wgrad(dlogits, n2)
-            mlp_grads = _mlp_backward(s, mlp_saved, dx2)
+        zdz = s.row_dot(logits, dlogits)
+        dx2, n2, dgamma = s.gemm_rms_bwd(dlogits, w_lm, x2, gamma_final, r2, zdz)
+        dw_lm = s.wgrad(dlogits, n2)
+        mlp_grads = _mlp_backward(s, mlp_saved, dx2)
         return *mlp_grads, _dgamma(dgamma, gamma_final), dw_lm, None, None
 
 
@@ -339,14 +326,8 @@ class CodaEntry(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens (M,) → (x0 (M, d), qkv0 (M, N_qkv)); `tied_embedding` is the model's tied matrix."""
         embedding = self.embedding if tied_embedding is None else tied_embedding
-        with torch.autocast(tokens.device.type, enabled=False):
-            # The embedding is not cast as a whole: the entry stage writes its rows in step.dtype.
-            return _EntryFn.apply(
-                tokens, step.positions, embedding, _cast(self.gamma_attn, step.dtype),
-                _cast(self.w_qkv, step.dtype),
-                *(_cast_optional(p, step.dtype) for p in (self.b_qkv, self.q_norm, self.k_norm)),
-                step.stages, self.consts, step.dtype,
-            )
+        return _EntryFn.apply(tokens, step.positions, embedding, self.gamma_attn, self.w_qkv, self.b_qkv,
+                              self.q_norm, self.k_norm, step.stages, self.consts)
 
 
 class _ShiftedLayer(nn.Module):
@@ -366,8 +347,8 @@ class _ShiftedLayer(nn.Module):
             qkv, step.batch, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, step.attention, step.documents
         )
 
-    def mlp_params(self, dtype: torch.dtype | None) -> list[torch.Tensor]:
-        return [_cast(p, dtype) for p in (self.w_o, self.gamma_mlp, self.w_gate_up, self.w_down)]
+    def mlp_params(self) -> list[torch.Tensor]:
+        return [self.w_o, self.gamma_mlp, self.w_gate_up, self.w_down]
 
 
 class CodaLayer(_ShiftedLayer):
@@ -386,14 +367,9 @@ class CodaLayer(_ShiftedLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(qkv_i, x_in) → (x_out, qkv_{i+1})."""
         o = self.attention(qkv, step)
-        with torch.autocast(x.device.type, enabled=False):
-            return _LayerFn.apply(
-                o, x, *self.mlp_params(step.dtype), _cast(self.gamma_attn_next, step.dtype),
-                _cast(self.w_qkv_next, step.dtype),
-                *(_cast_optional(p, step.dtype) for p in (self.b_qkv_next, self.q_norm_next,
-                                                          self.k_norm_next)),
-                step.positions, step.stages, self.consts,
-            )
+        return _LayerFn.apply(o, x, *self.mlp_params(), self.gamma_attn_next, self.w_qkv_next,
+                              self.b_qkv_next, self.q_norm_next, self.k_norm_next, step.positions,
+                              step.stages, self.consts)
 
 
 class CodaFinalLayer(_ShiftedLayer):
@@ -413,13 +389,12 @@ class CodaFinalLayer(_ShiftedLayer):
         `tied_embedding` is the model's tied matrix, the head's weight."""
         o = self.attention(qkv, step)
         head = self.w_lm_head if tied_embedding is None else tied_embedding
-        params = [*self.mlp_params(step.dtype), _cast(self.gamma_final, step.dtype), _cast(head, step.dtype)]
-        with torch.autocast(x.device.type, enabled=False):
-            if targets is None:
-                return _FinalLogitsFn.apply(o, x, *params, step.stages, self.consts)
-            if not torch.is_grad_enabled():
-                return _final_loss_without_grad(step.stages, self.consts, o, x, *params, targets)
-            return _FinalLossFn.apply(o, x, *params, targets, step.stages, self.consts, self.head_chunk_rows)
+        params = [*self.mlp_params(), self.gamma_final, head]
+        if targets is None:
+            return _FinalLogitsFn.apply(o, x, *params, step.stages, self.consts)
+        if not torch.is_grad_enabled():
+            return _final_loss_without_grad(step.stages, self.consts, o, x, *params, targets)
+        return _FinalLossFn.apply(o, x, *params, targets, step.stages, self.consts, self.head_chunk_rows)
 
 
 # ---- canonical layout ---------------------------------------------------------------------------
