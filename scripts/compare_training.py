@@ -29,7 +29,8 @@ from codatrain.train.runs import REPO, TRAIN_SCRIPT
 def train(run_dir: Path, model: str, block: list[str], steps: int, extra: list[str]) -> None:
     """One training run into run_dir (replaced if it exists, checkpoints included)."""
     shutil.rmtree(run_dir, ignore_errors=True)
-    # A plain single process (autocast bf16 on a GPU), as the loss curves in docs/ were made.
+    # A plain single process (bf16 on a GPU through FSDP2's policy, as every job; the loss curves in
+    # docs/ predate that and were made under autocast).
     cmd = [
         sys.executable, str(TRAIN_SCRIPT), f"model={model}", *block,
         f"train.steps={steps}", "train.log_every=1", "train.val_every=0", "train.progress=false",

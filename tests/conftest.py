@@ -6,12 +6,23 @@ from pathlib import Path
 import pytest
 import torch
 
+from codatrain.train.distributed import shutdown_distributed
+
 # The models under test are tiny: one thread per process avoids oversubscribing CI's two cores
 # (the torchrun tests start two processes) and is faster than two threads fighting over them.
 torch.set_num_threads(1)
 os.environ["OMP_NUM_THREADS"] = "1"
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def no_process_group_left():
+    """A Trainer built in a test joins the process group of one that `init_distributed` makes
+    (scripts/train.py's `train` ends it); end it after the test, so that each test starts as a
+    new process does."""
+    yield
+    shutdown_distributed()
 
 
 @pytest.fixture

@@ -3,10 +3,11 @@ which CuTeDSL kernels would a job of these shapes compile that its cache does no
 
     python tests/fake_job.py '<KernelShapes as JSON>'   (in the environment of a compile process)
 
-Runs the model's forward and backward (two layers, bf16 autocast as on one GPU, SDPA: FA4 keeps
-its own cache) under `compile_only`, where every stage takes its own Python path, compiles or
-loads its kernels and launches nothing, then prints `kernel_counts` as JSON. `test_precompile.py`
-runs it against a cache that scripts/precompile.py built: every kernel must load, none compile.
+Runs the model's forward and backward (two layers, bf16 parameters as FSDP2's policy hands them
+to the model on a GPU, SDPA: FA4 keeps its own cache) under `compile_only`, where every stage takes
+its own Python path, compiles or loads its kernels and launches nothing, then prints
+`kernel_counts` as JSON. `test_precompile.py` runs it against a cache that scripts/precompile.py
+built: every kernel must load, none compile.
 """
 
 import json
@@ -35,12 +36,13 @@ def main(shapes: KernelShapes) -> dict:
     # an output; its scaled-exp glue is Triton's, which a CPU cannot even trace.
     with compile_only(HOPPER_SMS), mock.patch.object(head, "scaled_exp_is_exact", lambda loss: True), \
             mock.patch.object(head, "get_sm_count", lambda *args: HOPPER_SMS), skipping_lce_glue():
-        # The cute stages without a device check (there is none), and fake parameters, initialised.
+        # The cute stages without a device check (there is none), and fake parameters, initialised,
+        # in bf16 (fake tensors cannot be converted by `Module.to`).
+        torch.set_default_dtype(torch.bfloat16)
         model = CodaLlama(cfg, ResolvedBlock("coda", "cute", "sdpa", CuteStages(), sdpa_attention))
+        torch.set_default_dtype(torch.float32)
         tokens = torch.zeros(shapes.batch, shapes.seq_len, dtype=torch.int64)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(tokens, tokens)
-        loss.backward()
+        model(tokens, tokens).backward()
     loaded, compiled, names = kernel_counts(started)
     return {"loaded": loaded, "compiled": compiled, "names": names}
 

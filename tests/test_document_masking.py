@@ -11,7 +11,7 @@ from test_coda import CONFIGS, assert_close_to, canonical_grads, model_pair
 from codatrain.config import load_config, validate
 from codatrain.kernels.attention import documents_from_ids, sdpa_attention
 from codatrain.model.llama import IGNORE_INDEX, rope_cos_sin
-from codatrain.train.distributed import DistInfo
+from codatrain.train.distributed import init_distributed
 from codatrain.train.trainer import Trainer
 
 # Two rows of 13 tokens: three documents (5, 1 and 7 tokens: one of a single token) in the first,
@@ -151,7 +151,7 @@ def test_trainer_hands_the_batch_doc_ids_to_the_model(tmp_path, block):
         "train.steps=1", "train.val_batches=1", "model.n_layers=1", f"train.run_dir={tmp_path}",
         "train.progress=false", "checkpoint.at_end=false",
     ]))
-    trainer = Trainer(run, DistInfo(0, 0, 1, torch.device("cpu")))
+    trainer = Trainer(run, init_distributed("cpu"))
     seen = []
     forward = trainer.model.forward
 

@@ -77,7 +77,7 @@ def uneven_rows():
 def step_gradients(t: Trainer, batches: list[Batch]) -> tuple[float, dict[str, torch.Tensor]]:
     loss, grad_norm, _ = t.train_step(iter(batches))
     assert math.isfinite(loss) and math.isfinite(grad_norm)
-    grads = {n: p.grad.clone() for n, p in t.model.named_parameters()}
+    grads = {n: p.grad.full_tensor() for n, p in t.model.named_parameters()}  # FSDP2's DTensors
     t.close()
     return loss, grads
 
@@ -90,7 +90,7 @@ def test_four_accumulated_micro_batches_equal_one_batch_of_four(tmp_path, impl):
     reference = trainer(tmp_path, impl, 4, 1, "train.run_dir=" + str(tmp_path / "ref"))
     expected_loss = reference.model(inputs, targets)
     expected_loss.backward()
-    expected = {n: p.grad for n, p in reference.model.named_parameters()}
+    expected = {n: p.grad.full_tensor() for n, p in reference.model.named_parameters()}
     reference.close()
 
     big_loss, big = step_gradients(one_big, [Batch(inputs, targets)])
@@ -125,7 +125,7 @@ def test_pretraining_gradients_are_those_of_the_mean_of_micro_batch_means(tmp_pa
         loss = reference.model(b.inputs, b.targets)
         (loss / 2).backward()
         expected_loss += loss.item() / 2
-    expected = {n: p.grad for n, p in reference.model.named_parameters()}
+    expected = {n: p.grad.full_tensor() for n, p in reference.model.named_parameters()}
     reference.close()
     loss, grads = step_gradients(trainer(tmp_path, impl, 2, 2), micro)
     assert loss == pytest.approx(expected_loss, rel=1e-6)

@@ -1,14 +1,20 @@
 """The training loop end to end on CPU: in-process runs and FSDP2 under torchrun (gloo)."""
 
 
+import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
+from torch.distributed.fsdp import FSDPModule
 
-from codatrain.config import load_config
+from codatrain.config import load_config, validate
 from codatrain.kernels.stages import BackendUnavailableError
+from codatrain.train import trainer as trainer_module
+from codatrain.train.distributed import init_distributed
 from codatrain.train.logger import read_losses
-from codatrain.train.trainer import train
+from codatrain.train.plan import build_run_plan
+from codatrain.train.trainer import Trainer, train
 
 FAST = ["train.log_every=1", "train.val_every=0", "train.progress=false", "checkpoint.at_end=false"]
 
@@ -52,6 +58,38 @@ def test_seed_makes_runs_repeatable(tmp_path):
 def test_batch_that_does_not_divide_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="tokens_per_step"):
         run(tmp_path, "train.tokens_per_step=1000")
+
+
+@pytest.mark.parametrize("block", [["block=eager"], ["block=coda", "block.backend=reference"]],
+                         ids=["eager", "coda"])
+def test_one_plain_process_computes_through_fsdp2s_policy_in_the_plans_dtype(tmp_path, monkeypatch, block):
+    """One precision path: a plain process (no torchrun) makes a process group of one and shards its
+    model with FSDP2 as every torchrun rank does, so FSDP2's policy applies the plan's compute dtype
+    (bf16 here, as on a GPU) and nothing else casts: the blocks compute on bf16 parameters, the
+    master weights and their gradients stay fp32."""
+
+    def bf16_plan(*args, **kwargs):
+        return dataclasses.replace(build_run_plan(*args, **kwargs), compute_dtype=torch.bfloat16)
+
+    monkeypatch.setattr(trainer_module, "build_run_plan", bf16_plan)
+    cfg = load_config([*FAST, f"train.run_dir={tmp_path}", *block, "model.n_layers=2", "data.seq_len=32",
+                       "train.micro_batch_size=2", "train.tokens_per_step=null"])
+    trainer = Trainer(validate(cfg), init_distributed("cpu"))
+    assert trainer.dist.world_size == 1 and " | 1 × cpu | " in trainer.plan.header()[0]
+    blocks = trainer.model.blocks()
+    assert all(isinstance(module, FSDPModule) for module in [trainer.model, *blocks])
+    seen = []
+
+    def record_dtypes(module, args):  # runs after FSDP2's own hook has unsharded the parameters
+        seen.append({p.dtype for p in module.parameters()})
+
+    for module in blocks:
+        module.register_forward_pre_hook(record_dtypes)
+    loss, grad_norm, _ = trainer.train_step(iter(trainer.train_data))
+    trainer.close()
+    assert seen == [{torch.bfloat16}] * len(blocks)
+    assert all(p.dtype == p.grad.dtype == torch.float32 for p in trainer.model.parameters())
+    assert 4.0 < loss < 7.0 and grad_norm > 0  # about ln(vocab) = 5.5 at the first step
 
 
 @pytest.mark.slow

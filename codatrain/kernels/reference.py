@@ -119,15 +119,13 @@ class ReferenceStages(StageBackend):
         gamma: torch.Tensor,
         *,
         eps: float,
-        dtype: torch.dtype | None = None,
         h_fp8: QuantizeTo | None = None,
     ) -> EntryOut:
-        dtype = dtype or embedding.dtype
-        st = stat_dtype(dtype)
-        x = embedding[tokens].to(dtype)
+        st = stat_dtype(embedding.dtype)
+        x = embedding[tokens]
         xs = x.to(st)
         rstd = torch.rsqrt(xs.square().mean(-1) + eps)
-        return EntryOut(x, _write(xs * gamma.to(st), dtype, h_fp8), rstd)
+        return EntryOut(x, _write(xs * gamma.to(st), x.dtype, h_fp8), rstd)
 
     def gemm_residual_rms(
         self,

@@ -251,15 +251,12 @@ class StageBackend(ABC):
         gamma: torch.Tensor,
         *,
         eps: float,
-        dtype: torch.dtype | None = None,
         h_fp8: QuantizeTo | None = None,
     ) -> EntryOut:
         """Model entry: embedding lookup and the first attention norm's statistics.
 
-        tokens (M,) int64 token ids; embedding (V, d); gamma (d,) = γ_attn of layer 0.
-        dtype: activation dtype of the outputs (default: the embedding's), so a full-precision
-        embedding table need not be cast as a whole under autocast.
-        Returns x = embedding[tokens], h = x ⊙ γ, rstd = (mean_j x_j² + eps)^-1/2 (of x as written).
+        tokens (M,) int64 token ids; embedding (V, d) and gamma (d,) = γ_attn of layer 0, in the
+        activation dtype. Returns x = embedding[tokens], h = x ⊙ γ, rstd = (mean_j x_j² + eps)^-1/2.
         h_fp8: h is written as an `Fp8Tensor` (the QKV GEMM's FP8 operand).
         """
 

@@ -67,8 +67,6 @@ class ForwardStep:
     positions: torch.Tensor  # (M,) int64: position of each token row within its sequence (its
     # document, when there are documents)
     batch: int
-    dtype: torch.dtype | None  # the autocast dtype when autocast is on: custom Functions are not
-    # autocast-aware, so the modules cast their parameters themselves
     documents: Documents | None = None  # attention stays within these documents when given
     fp8: Fp8Step | None = None  # the layer GEMMs' FP8 scales and amax records (block.precision=fp8)
 
@@ -79,7 +77,11 @@ class ForwardStep:
     ) -> ForwardStep:
         """The step of `batch` sequences of `seq_len` tokens on `device`, rows in sequence order,
         packed with `documents` (None: each row is one sequence)."""
-        autocast = torch.is_autocast_enabled(device.type)
+        if torch.is_autocast_enabled(device.type):
+            # The stages compute in the parameters' dtype, which FSDP2's MixedPrecisionPolicy sets
+            # (codatrain/train/parallelize.py); custom Functions under autocast would mix dtypes.
+            raise RuntimeError("the CODA model computes in its parameters' dtype and does not run "
+                               "under torch.autocast: give it parameters of the compute dtype")
         if documents is None:
             positions = torch.arange(seq_len, device=device).repeat(batch)
         else:
@@ -89,18 +91,9 @@ class ForwardStep:
             attention=attention,
             positions=positions,
             batch=batch,
-            dtype=torch.get_autocast_dtype(device.type) if autocast else None,
             documents=documents,
             fp8=fp8,
         )
-
-
-def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    return t if dtype is None or t.dtype == dtype else t.to(dtype)
-
-
-def _cast_optional(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
-    return None if t is None else _cast(t, dtype)
 
 
 def _dgamma(partials: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
@@ -267,36 +260,30 @@ def _unpack(ctx) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
 
 
 # ---- autograd Functions: forward stages in forward, backward stages in backward ----------------
-# The modules call `apply` with autocast off, and each backward turns it off too (a backward()
-# called inside an autocast region would otherwise run under it): stages choose their own dtypes.
+# Activations take the parameters' dtype (the compute dtype); statistics the stages' stat dtype.
 
 
 class _EntryFn(torch.autograd.Function):
     """tokens → (x0, qkv0): entry, then layer 0's F4."""
 
     @staticmethod
-    def forward(ctx, tokens, positions, embedding, gamma, w_qkv, b_qkv, q_norm, k_norm, s, c, dtype, f):
-        x, h, rstd = s.entry(tokens, embedding, gamma, eps=c.eps, dtype=dtype,
-                             **_fp8_arg(f, 0, Operand.qkv_in, "h_fp8"))
+    def forward(ctx, tokens, positions, embedding, gamma, w_qkv, b_qkv, q_norm, k_norm, s, c, f):
+        x, h, rstd = s.entry(tokens, embedding, gamma, eps=c.eps, **_fp8_arg(f, 0, Operand.qkv_in, "h_fp8"))
         _record(f, 0, Operand.qkv_in, h)
         (wq_qkv,) = _weights(s, f, w_qkv)
         qkv, z = _qkv_forward(s, c, h, wq_qkv, rstd, positions, b_qkv, q_norm, k_norm)
         ctx.save_for_backward(tokens, positions, x, rstd, qkv, z, gamma, w_qkv, b_qkv, q_norm, k_norm)
-        ctx.s, ctx.c, ctx.f, ctx.embedding_meta = s, c, f, (embedding.shape[0], embedding.dtype)
+        ctx.s, ctx.c, ctx.f, ctx.vocab_size = s, c, f, embedding.shape[0]
         return x, qkv
 
     @staticmethod
     def backward(ctx, dx_residual, dqkv):
         tokens, positions, x, rstd, qkv, z, gamma, w_qkv, b_qkv, q_norm, k_norm = ctx.saved_tensors
         s, c, f = ctx.s, ctx.c, ctx.f
-        with torch.autocast(dqkv.device.type, enabled=False):
-            dz, zdz, *dqkv_params = _qkv_backward(s, c, dqkv, qkv, z, positions, b_qkv, q_norm, k_norm, f, 0)
-            dx, _, dgamma, dw_qkv = _qkv_gemm_backward(s, f, 0, dz, w_qkv, x, gamma, rstd, zdz, dx_residual,
-                                                       None)
-            vocab, embedding_dtype = ctx.embedding_meta
-            dembedding = s.entry_bwd(dx, tokens, num_embeddings=vocab).to(embedding_dtype)
-        return (None, None, dembedding, _dgamma(dgamma, gamma), dw_qkv, *dqkv_params, None, None, None,
-                None)
+        dz, zdz, *dqkv_params = _qkv_backward(s, c, dqkv, qkv, z, positions, b_qkv, q_norm, k_norm, f, 0)
+        dx, _, dgamma, dw_qkv = _qkv_gemm_backward(s, f, 0, dz, w_qkv, x, gamma, rstd, zdz, dx_residual, None)
+        dembedding = s.entry_bwd(dx, tokens, num_embeddings=ctx.vocab_size)
+        return None, None, dembedding, _dgamma(dgamma, gamma), dw_qkv, *dqkv_params, None, None, None
 
 
 class _LayerFn(torch.autograd.Function):
@@ -319,14 +306,13 @@ class _LayerFn(torch.autograd.Function):
         mlp_saved, saved = _unpack(ctx)
         x2, r2, qkv, z, positions, gamma_next, w_qkv_next, *qkv_params = saved
         s, c, f, layer = ctx.s, ctx.c, ctx.f, ctx.layer
-        with torch.autocast(dqkv.device.type, enabled=False):
-            dz, zdz, *dqkv_params = _qkv_backward(s, c, dqkv, qkv, z, positions, *qkv_params, f, layer + 1)
-            dx2_fp8 = None if f is None else f.to(layer, Operand.down_grad)
-            dx2, dx2_operand, dgamma_next, dw_qkv_next = _qkv_gemm_backward(
-                s, f, layer + 1, dz, w_qkv_next, x2, gamma_next, r2, zdz, dx_residual, dx2_fp8)
-            if f is not None:
-                _record(f, layer, Operand.down_grad, dx2_operand)
-            mlp_grads = _mlp_backward(s, mlp_saved, dx2, dx2_operand, f, layer)
+        dz, zdz, *dqkv_params = _qkv_backward(s, c, dqkv, qkv, z, positions, *qkv_params, f, layer + 1)
+        dx2_fp8 = None if f is None else f.to(layer, Operand.down_grad)
+        dx2, dx2_operand, dgamma_next, dw_qkv_next = _qkv_gemm_backward(
+            s, f, layer + 1, dz, w_qkv_next, x2, gamma_next, r2, zdz, dx_residual, dx2_fp8)
+        if f is not None:
+            _record(f, layer, Operand.down_grad, dx2_operand)
+        mlp_grads = _mlp_backward(s, mlp_saved, dx2, dx2_operand, f, layer)
         return (*mlp_grads, _dgamma(dgamma_next, gamma_next), dw_qkv_next, *dqkv_params, None, None, None,
                 None, None)
 
@@ -356,13 +342,12 @@ class _FinalLossFn(torch.autograd.Function):
     def backward(ctx, dloss):
         mlp_saved, (dx2, dgamma) = _unpack(ctx)
         gamma_dtype, w_dtype = ctx.dtypes
-        with torch.autocast(dloss.device.type, enabled=False):
-            scale = dloss.to(dgamma.dtype)
-            dw_lm = ctx.s.lm_head_dweight(*ctx.head_dweight, scale, w_dtype)
-            ctx.head_dweight = None
-            dx2 = dx2 * scale
-            dx2_operand = _quantize(ctx.s, ctx.f, ctx.layer, Operand.down_grad, dx2)
-            mlp_grads = _mlp_backward(ctx.s, mlp_saved, dx2, dx2_operand, ctx.f, ctx.layer)
+        scale = dloss.to(dgamma.dtype)
+        dw_lm = ctx.s.lm_head_dweight(*ctx.head_dweight, scale, w_dtype)
+        ctx.head_dweight = None
+        dx2 = dx2 * scale
+        dx2_operand = _quantize(ctx.s, ctx.f, ctx.layer, Operand.down_grad, dx2)
+        mlp_grads = _mlp_backward(ctx.s, mlp_saved, dx2, dx2_operand, ctx.f, ctx.layer)
         return *mlp_grads, _scaled(dgamma, scale, gamma_dtype), dw_lm, None, None, None, None, None, None
 
 
@@ -396,12 +381,11 @@ class _FinalLogitsFn(torch.autograd.Function):
     def backward(ctx, dlogits):
         mlp_saved, (x2, r2, logits, gamma_final, w_lm) = _unpack(ctx)
         s = ctx.s
-        with torch.autocast(dlogits.device.type, enabled=False):
-            zdz = s.row_dot(logits, dlogits)
-            dx2, n2, dgamma = s.gemm_rms_bwd(dlogits, w_lm, x2, gamma_final, r2, zdz)
-            dw_lm = s.wgrad(dlogits, n2)
-            dx2_operand = _quantize(s, ctx.f, ctx.layer, Operand.down_grad, dx2)
-            mlp_grads = _mlp_backward(s, mlp_saved, dx2, dx2_operand, ctx.f, ctx.layer)
+        zdz = s.row_dot(logits, dlogits)
+        dx2, n2, dgamma = s.gemm_rms_bwd(dlogits, w_lm, x2, gamma_final, r2, zdz)
+        dw_lm = s.wgrad(dlogits, n2)
+        dx2_operand = _quantize(s, ctx.f, ctx.layer, Operand.down_grad, dx2)
+        mlp_grads = _mlp_backward(s, mlp_saved, dx2, dx2_operand, ctx.f, ctx.layer)
         return *mlp_grads, _dgamma(dgamma, gamma_final), dw_lm, None, None, None, None
 
 
@@ -438,14 +422,8 @@ class CodaEntry(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens (M,) → (x0 (M, d), qkv0 (M, N_qkv)); `tied_embedding` is the model's tied matrix."""
         embedding = self.embedding if tied_embedding is None else tied_embedding
-        with torch.autocast(tokens.device.type, enabled=False):
-            # The embedding is not cast as a whole: the entry stage writes its rows in step.dtype.
-            return _EntryFn.apply(
-                tokens, step.positions, embedding, _cast(self.gamma_attn, step.dtype),
-                _cast(self.w_qkv, step.dtype),
-                *(_cast_optional(p, step.dtype) for p in (self.b_qkv, self.q_norm, self.k_norm)),
-                step.stages, self.consts, step.dtype, step.fp8,
-            )
+        return _EntryFn.apply(tokens, step.positions, embedding, self.gamma_attn, self.w_qkv, self.b_qkv,
+                              self.q_norm, self.k_norm, step.stages, self.consts, step.fp8)
 
 
 class _ShiftedLayer(nn.Module):
@@ -466,8 +444,8 @@ class _ShiftedLayer(nn.Module):
             qkv, step.batch, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, step.attention, step.documents
         )
 
-    def mlp_params(self, dtype: torch.dtype | None) -> list[torch.Tensor]:
-        return [_cast(p, dtype) for p in (self.w_o, self.gamma_mlp, self.w_gate_up, self.w_down)]
+    def mlp_params(self) -> list[torch.Tensor]:
+        return [self.w_o, self.gamma_mlp, self.w_gate_up, self.w_down]
 
 
 class CodaLayer(_ShiftedLayer):
@@ -486,14 +464,9 @@ class CodaLayer(_ShiftedLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(qkv_i, x_in) → (x_out, qkv_{i+1})."""
         o = self.attention(qkv, step)
-        with torch.autocast(x.device.type, enabled=False):
-            return _LayerFn.apply(
-                o, x, *self.mlp_params(step.dtype), _cast(self.gamma_attn_next, step.dtype),
-                _cast(self.w_qkv_next, step.dtype),
-                *(_cast_optional(p, step.dtype) for p in (self.b_qkv_next, self.q_norm_next,
-                                                          self.k_norm_next)),
-                step.positions, step.stages, self.consts, step.fp8, self.index,
-            )
+        return _LayerFn.apply(o, x, *self.mlp_params(), self.gamma_attn_next, self.w_qkv_next,
+                              self.b_qkv_next, self.q_norm_next, self.k_norm_next, step.positions,
+                              step.stages, self.consts, step.fp8, self.index)
 
 
 class CodaFinalLayer(_ShiftedLayer):
@@ -513,15 +486,14 @@ class CodaFinalLayer(_ShiftedLayer):
         `tied_embedding` is the model's tied matrix, the head's weight."""
         o = self.attention(qkv, step)
         head = self.w_lm_head if tied_embedding is None else tied_embedding
-        params = [*self.mlp_params(step.dtype), _cast(self.gamma_final, step.dtype), _cast(head, step.dtype)]
-        with torch.autocast(x.device.type, enabled=False):
-            fp8 = (step.fp8, self.index)
-            if targets is None:
-                return _FinalLogitsFn.apply(o, x, *params, step.stages, self.consts, *fp8)
-            if not torch.is_grad_enabled():
-                return _final_loss_without_grad(step.stages, self.consts, *fp8, o, x, *params, targets)
-            return _FinalLossFn.apply(o, x, *params, targets, step.stages, self.consts, self.head_chunk_rows,
-                                      *fp8)
+        params = [*self.mlp_params(), self.gamma_final, head]
+        fp8 = (step.fp8, self.index)
+        if targets is None:
+            return _FinalLogitsFn.apply(o, x, *params, step.stages, self.consts, *fp8)
+        if not torch.is_grad_enabled():
+            return _final_loss_without_grad(step.stages, self.consts, *fp8, o, x, *params, targets)
+        return _FinalLossFn.apply(o, x, *params, targets, step.stages, self.consts, self.head_chunk_rows,
+                                  *fp8)
 
 
 # ---- canonical layout ---------------------------------------------------------------------------

@@ -1,4 +1,10 @@
-"""Process-group setup from the torchrun environment; a plain `python` run has no process group."""
+"""Process-group setup: from the torchrun environment, or a group of one for a plain `python` run.
+
+Every training job has a process group, so that FSDP2 wraps the model at any world size and its
+`MixedPrecisionPolicy` is the one place that sets the compute dtype (as torchtitan applies FSDP2
+at world size 1 too). torchtitan is always launched by torchrun; a plain `python` process here
+makes its group of one itself, on an in-memory store, so it needs no port or torchrun variables.
+"""
 
 from __future__ import annotations
 
@@ -25,10 +31,6 @@ class DistInfo:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    @property
-    def is_distributed(self) -> bool:
-        return dist.is_initialized()
-
 
 def resolve_device(name: str, local_rank: int) -> torch.device:
     if name == "auto":
@@ -42,19 +44,22 @@ def resolve_device(name: str, local_rank: int) -> torch.device:
 
 
 def init_distributed(device_name: str) -> DistInfo:
-    """nccl on GPU, gloo on CPU, when launched by torchrun (WORLD_SIZE set); else a single process."""
-    launched = "WORLD_SIZE" in os.environ
+    """The process group (nccl on GPU, gloo on CPU): torchrun's processes when launched by it
+    (WORLD_SIZE set), else this process alone. An existing group is kept."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = resolve_device(device_name, local_rank)
-    if launched and not dist.is_initialized():
+    if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
-    if dist.is_initialized():
-        world_size = dist.get_world_size()
-        # Without torchrun's variable (a process group made otherwise), all processes are one node.
-        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        return DistInfo(dist.get_rank(), local_rank, world_size, device, local_world_size)
-    return DistInfo(0, 0, 1, device)
+        device_id = device if device.type == "cuda" else None
+        if "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend=backend, device_id=device_id)
+        else:
+            dist.init_process_group(backend=backend, device_id=device_id, store=dist.HashStore(), rank=0,
+                                    world_size=1)
+    world_size = dist.get_world_size()
+    # Without torchrun's variable (a process group made otherwise), all processes are one node.
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return DistInfo(dist.get_rank(), local_rank, world_size, device, local_world_size)
 
 
 def shutdown_distributed() -> None:

@@ -61,8 +61,10 @@ def apply_fsdp(model: CanonicalModel, mesh: DeviceMesh, compute_dtype: torch.dty
     """fully_shard each block, then the root (embedding, final norm, head and the rest), over
     `mesh` (`device_mesh`: 1-D shards, 2-D shards and replicates).
 
-    Below fp32 (bf16 on a GPU) the policy computes in `compute_dtype` with fp32 master weights and
-    fp32 gradient reduction.
+    Applied at every world size, one process too (its all-gather is a copy there): the policy is
+    where the compute dtype takes effect. Below fp32 (bf16 on a GPU) each forward and backward
+    computes in `compute_dtype` on parameters FSDP2 casts, with fp32 master weights and fp32
+    gradient reduction, so the models hold no casts and run without autocast.
     """
     policy = (
         MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)

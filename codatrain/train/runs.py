@@ -2,8 +2,8 @@
 scripts (scripts/bench_train.py, bench_scaling.py, compare_training.py) share.
 
 A job is `scripts/train.py` of this checkout (the package is installed editable from it), under
-torchrun even for one process, so that it runs as real training does: FSDP2, bf16 compute, fp32
-master weights.
+torchrun even for one process; it runs as every training job does, a plain `python` one too: FSDP2
+with its mixed-precision policy (bf16 compute on a GPU, fp32 master weights).
 """
 
 from __future__ import annotations

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 import time
@@ -107,18 +106,15 @@ class Trainer:
             apply_activation_checkpointing(model)
         if tcfg.compile:
             apply_compile(model)
-        # The loaders and validation split the batches by the data-parallel rank; with data
-        # parallelism only, the data-parallel processes are all the processes.
-        self.dp_rank, self.dp_size = 0, 1
-        if dist_info.is_distributed:
-            mesh = device_mesh(device, plan.mesh)
-            apply_fsdp(model, mesh, plan.compute_dtype)
-            self.dp_rank, self.dp_size = data_parallel_rank(mesh), plan.mesh.size
+        # FSDP2 at every world size, one process too: its policy computes in the plan's dtype, the
+        # only place the compute dtype is applied. The loaders and validation split the batches by
+        # the data-parallel rank; with data parallelism only, those are all the processes.
+        mesh = device_mesh(device, plan.mesh)
+        apply_fsdp(model, mesh, plan.compute_dtype)
+        self.dp_rank, self.dp_size = data_parallel_rank(mesh), plan.mesh.size
         model.to_empty(device=device)
         init_weights(model, tcfg.seed)
         self.model = model
-        # Without FSDP2 (a single plain process) a GPU still computes in bf16, through autocast.
-        self.autocast = plan.compute_dtype != torch.float32 and not dist_info.is_distributed
 
         self.optimizer = build_optimizer(model, run.optim, device)
         self.scheduler = build_scheduler(self.optimizer, run.optim, tcfg.steps)
@@ -145,11 +141,6 @@ class Trainer:
         self.reported_rows = 0
 
     # ---- one optimizer step -------------------------------------------------------------------
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.autocast:
-            return torch.autocast(self.dist.device.type, dtype=self.plan.compute_dtype)
-        return contextlib.nullcontext()
-
     def train_step(self, batches) -> tuple[float, float, float]:
         """Forward/backward over `grad_accum` micro-batches: the gradients of one optimizer step.
 
@@ -170,16 +161,14 @@ class Trainer:
         scale = self.dp_size / step_targets
         loss_sum = torch.zeros((), device=self.dist.device)
         for batch in micro_batches:
-            with self._autocast():
-                loss = self.model(batch.inputs, batch.targets, doc_ids=batch.doc_ids, reduction="sum")
+            loss = self.model(batch.inputs, batch.targets, doc_ids=batch.doc_ids, reduction="sum")
             (loss * scale).backward()
             loss_sum += loss.detach()
         clip = self.run.optim.grad_clip
         grad_norm = torch.nn.utils.clip_grad_norm_(
             self.model.parameters(), clip if clip > 0 else float("inf")
         )
-        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = grad_norm.full_tensor()  # a DTensor: the parameters are FSDP2's
         loss_mean = (all_reduce_sum(loss_sum) / step_targets).item()
         return loss_mean, grad_norm.item(), data_time
 
@@ -193,8 +182,7 @@ class Trainer:
         wanted, dp_size = self.run.train.val_batches, self.dp_size
         loss_sum, targets = torch.zeros((), device=self.dist.device), torch.zeros((), device=self.dist.device)
         for i, batch in enumerate(itertools.islice(self.val_data, math.ceil(wanted / dp_size))):
-            with self._autocast():
-                loss = self.model(batch.inputs, batch.targets, doc_ids=batch.doc_ids, reduction="sum")
+            loss = self.model(batch.inputs, batch.targets, doc_ids=batch.doc_ids, reduction="sum")
             if i * dp_size + self.dp_rank < wanted:
                 loss_sum += loss
                 targets += (batch.targets != IGNORE_INDEX).sum()

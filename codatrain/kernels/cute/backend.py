@@ -58,15 +58,12 @@ class CuteStages(StageBackend):
         gamma: torch.Tensor,
         *,
         eps: float,
-        dtype: torch.dtype | None = None,
     ) -> EntryOut:
-        dtype = dtype or embedding.dtype
-        if dtype not in _ACTIVATION_DTYPES:
-            raise TypeError(f"cute entry: the activation dtype must be 16-bit, got {dtype}")
+        _check_activations("entry", embedding, gamma)
         if not (embedding.is_contiguous() and gamma.is_contiguous()):
             raise ValueError("cute entry: the embedding table and gamma must be contiguous")
         m, d = tokens.shape[0], embedding.shape[1]
-        out = EntryOut(empty(m, d, like=embedding, dtype=dtype), empty(m, d, like=embedding, dtype=dtype),
+        out = EntryOut(empty(m, d, like=embedding), empty(m, d, like=embedding),
                        empty(m, like=embedding, dtype=STAT))
         entry.entry(tokens.contiguous(), embedding, gamma, *out, eps)
         return out

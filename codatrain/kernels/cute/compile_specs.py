@@ -59,8 +59,8 @@ from codatrain.kernels.cute.pins import (
 )
 from codatrain.kernels.stages import IGNORE_INDEX, Rope
 
-# Training activations are bf16 (autocast on one GPU, FSDP2's param dtype on several);
-# statistics fp32.
+# Training activations are bf16 (the run plan's compute dtype on a GPU, FSDP2's param dtype at
+# every world size); statistics fp32.
 ACT = torch.bfloat16
 STAT = torch.float32
 # RoPE's θ and scaling only fill a frequency table at run time; no kernel depends on them.
@@ -127,15 +127,8 @@ def entry_kernels(s: KernelShapes) -> list[KernelSpec]:
     if not s.stages:
         return []
     tokens = _cute(torch.int64)
-
-    def forward(embedding: torch.dtype) -> Callable[[], object]:
-        return lambda: entry.compile_entry(tokens, _cute(embedding), _cute(ACT), _cute(ACT), s.dim)
-
     return [
-        # Under autocast on one GPU the fp32 embedding table is read as it is; under FSDP2 it
-        # arrives in bf16. Both are compiled, so one cache serves either launch.
-        KernelSpec("entry, fp32 embedding", forward(torch.float32)),
-        KernelSpec("entry, bf16 embedding", forward(ACT)),
+        KernelSpec("entry", lambda: entry.compile_entry(tokens, _cute(ACT), s.dim)),
         KernelSpec("entry backward", lambda: entry.compile_entry_bwd(tokens, _cute(ACT), s.dim)),
     ]
 

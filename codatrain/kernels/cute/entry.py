@@ -1,9 +1,9 @@
 """Model entry and its backward as CuTeDSL kernels.
 
-Forward: one CTA per token row gathers the embedding row of the token, writes x (rounded to the
-activation dtype, the x every later stage reads), h = x ⊙ γ, and rstd of x as written, so the
-row is read from memory once. A row of a Llama-3-8B embedding is 8 KB in bf16; with 128 threads
-moving 16 bytes each per step that is four steps, and M rows give M CTAs to fill the GPU.
+Forward: one CTA per token row gathers the embedding row of the token and writes it as x (the
+table is in the activation dtype: FSDP2's mixed-precision policy casts it), h = x ⊙ γ, and rstd of
+x, so the row is read from memory once. A row of a Llama-3-8B embedding is 8 KB in bf16; with 128
+threads moving 16 bytes each per step that is four steps, and M rows give M CTAs to fill the GPU.
 
 Backward: one CTA per token row adds its dx row into row `token` of an fp32 gradient table with
 atomic reductions (rows of repeated tokens meet in the same table row), then the table is
@@ -30,16 +30,16 @@ _MAX_THREADS = 128
 
 
 class EntryKernel:
-    """x = E[tok], h = x ⊙ γ, rstd = (mean x² + eps)^-1/2 for one row per CTA.
+    """x = E[tok], h = x ⊙ γ, rstd = (mean x² + eps)^-1/2 for one row per CTA; E, γ, x and h in one
+    activation dtype.
 
-    The row is tiled in 16-byte vectors of the widest dtype involved (`RowTiling`); vectors
-    past `dim` are masked off and count as zeros in the sum.
+    The row is tiled in 16-byte vectors (`RowTiling`); vectors past `dim` are masked off and count
+    as zeros in the sum.
     """
 
-    def __init__(self, emb_dtype: type, out_dtype: type, gamma_dtype: type, dim: int) -> None:
-        self.emb_dtype, self.out_dtype, self.gamma_dtype, self.dim = emb_dtype, out_dtype, gamma_dtype, dim
-        widest = max(emb_dtype.width, out_dtype.width, gamma_dtype.width)
-        t = RowTiling.of(dim, 128 // widest, _MAX_THREADS)
+    def __init__(self, dtype: type, dim: int) -> None:
+        self.dtype, self.dim = dtype, dim
+        t = RowTiling.of(dim, 128 // dtype.width, _MAX_THREADS)
         self.vec, self.num_threads, self.steps, self.tile_n = t.vec, t.num_threads, t.steps, t.tile_n
 
     @cute.jit
@@ -86,36 +86,30 @@ class EntryKernel:
         gH = cute.local_tile(mH[row, None], tiler, (0,))
         gCol = cute.local_tile(cute.make_identity_tensor(self.dim), tiler, (0,))
 
-        # One thread partition per dtype (the copy atom carries the element type); all of
-        # them give thread t the same columns.
-        part_emb = tiled_copy_1d(self.emb_dtype, self.num_threads, self.vec).get_slice(tidx)
-        part_gamma = tiled_copy_1d(self.gamma_dtype, self.num_threads, self.vec).get_slice(tidx)
-        part_out = tiled_copy_1d(self.out_dtype, self.num_threads, self.vec).get_slice(tidx)
-        tEg = part_emb.partition_S(gEmb)
-        tGg = part_gamma.partition_S(gGamma)
-        tXg = part_out.partition_D(gX)
-        tHg = part_out.partition_D(gH)
-        tCol = part_out.partition_S(gCol)
+        part = tiled_copy_1d(self.dtype, self.num_threads, self.vec).get_slice(tidx)
+        tEg = part.partition_S(gEmb)
+        tGg = part.partition_S(gGamma)
+        tXg = part.partition_D(gX)
+        tHg = part.partition_D(gH)
+        tCol = part.partition_S(gCol)
 
         tEr = cute.make_rmem_tensor_like(tEg)
         tGr = cute.make_rmem_tensor_like(tGg)
         tEr.fill(0)
         tGr.fill(0)
-        emb_atom = get_copy_atom(self.emb_dtype, self.vec)
-        gamma_atom = get_copy_atom(self.gamma_dtype, self.vec)
-        out_atom = get_copy_atom(self.out_dtype, self.vec)
-        copy_masked(emb_atom, tEg, tEr, tCol, self.dim, self.steps)
-        copy_masked(gamma_atom, tGg, tGr, tCol, self.dim, self.steps)
+        atom = get_copy_atom(self.dtype, self.vec)
+        copy_masked(atom, tEg, tEr, tCol, self.dim, self.steps)
+        copy_masked(atom, tGg, tGr, tCol, self.dim, self.steps)
 
-        # Round to the activation dtype first: h and rstd describe x as written.
-        x = tEr.load().to(self.out_dtype)
+        # x is the row as read; h and rstd are computed from it in fp32.
+        x = tEr.load()
         xf = x.to(Float32)
         tXr = cute.make_rmem_tensor_like(tXg)
         tHr = cute.make_rmem_tensor_like(tHg)
         tXr.store(x)
-        tHr.store((xf * tGr.load().to(Float32)).to(self.out_dtype))
-        copy_masked(out_atom, tXr, tXg, tCol, self.dim, self.steps)
-        copy_masked(out_atom, tHr, tHg, tCol, self.dim, self.steps)
+        tHr.store((xf * tGr.load().to(Float32)).to(self.dtype))
+        copy_masked(atom, tXr, tXg, tCol, self.dim, self.steps)
+        copy_masked(atom, tHr, tHg, tCol, self.dim, self.steps)
 
         sum_sq = row_reduce(xf * xf, cute.ReductionOp.ADD, self.num_threads, reduction_buffer)
         if tidx == 0:
@@ -123,16 +117,16 @@ class EntryKernel:
 
 
 @jit_cache
-def compile_entry(tok_dtype: type, emb_dtype: type, out_dtype: type, gamma_dtype: type, dim: int):
-    kernel = EntryKernel(emb_dtype, out_dtype, gamma_dtype, dim)
+def compile_entry(tok_dtype: type, dtype: type, dim: int):
+    kernel = EntryKernel(dtype, dim)
     rows, vocab = cute.sym_int(), cute.sym_int()
     return cute.compile(
         kernel,
         make_fake_tensor(tok_dtype, (rows,)),
-        make_fake_tensor(emb_dtype, (vocab, dim), divisibility=kernel.vec),
-        make_fake_tensor(gamma_dtype, (dim,), divisibility=kernel.vec),
-        make_fake_tensor(out_dtype, (rows, dim), divisibility=kernel.vec),
-        make_fake_tensor(out_dtype, (rows, dim), divisibility=kernel.vec),
+        make_fake_tensor(dtype, (vocab, dim), divisibility=kernel.vec),
+        make_fake_tensor(dtype, (dim,), divisibility=kernel.vec),
+        make_fake_tensor(dtype, (rows, dim), divisibility=kernel.vec),
+        make_fake_tensor(dtype, (rows, dim), divisibility=kernel.vec),
         make_fake_tensor(Float32, (rows,)),
         Float32(0),
         make_fake_stream(),
@@ -144,16 +138,11 @@ def compile_entry(tok_dtype: type, emb_dtype: type, out_dtype: type, gamma_dtype
 def entry(
     tokens: Tensor, embedding: Tensor, gamma: Tensor, x: Tensor, h: Tensor, rstd: Tensor, eps: float
 ) -> None:
-    """x = embedding[tokens] in x's dtype, h = x ⊙ γ and rstd (fp32) of x as written.
-    tokens contiguous; embedding (V, d) and gamma contiguous."""
+    """x = embedding[tokens], h = x ⊙ γ and rstd (fp32) of x; embedding, gamma, x and h in one
+    dtype. tokens contiguous; embedding (V, d) and gamma contiguous."""
     embedding, gamma = aligned16(embedding), aligned16(gamma)
-    compiled = compile_entry(
-        torch2cute_dtype_map[tokens.dtype],
-        torch2cute_dtype_map[embedding.dtype],
-        torch2cute_dtype_map[x.dtype],
-        torch2cute_dtype_map[gamma.dtype],
-        embedding.shape[1],
-    )
+    compiled = compile_entry(torch2cute_dtype_map[tokens.dtype], torch2cute_dtype_map[embedding.dtype],
+                             embedding.shape[1])
     compiled(tokens, embedding, gamma, x, h, rstd, eps)
 
 
