@@ -116,17 +116,18 @@ def test_mistral_sliding_window_is_refused_by_name(window):
         config_from_hf(hf_cfg)
 
 
-@pytest.mark.parametrize("preset, key", [("qwen2_5_0_5b", "qkv_bias"), ("qwen3_0_6b", "qk_norm")])
-def test_cute_stages_refuse_a_qkv_bias_or_qk_norm_at_construction(preset, key):
-    """block.backend=cute names the epilogue it lacks when the model is built (on the meta device,
-    as the trainer builds it); the reference stages compute it."""
-    cfg = get_preset(preset).replace(n_layers=1)
+def test_cute_stages_refuse_a_qk_norm_at_construction_and_take_a_qkv_bias():
+    """block.backend=cute names the epilogue it lacks (Qwen3's QK-norm) when the model is built (on
+    the meta device, as the trainer builds it); the reference stages compute it. A QKV bias (Qwen2)
+    is an epilogue of the cute QKV GEMM."""
     cute = ResolvedBlock("coda", "cute", "sdpa", get_backend("reference"), sdpa_attention)
-    refusal = rf"^model.{key}=true does not run on block.backend=cute: .*use block.backend=reference"
+    qwen3 = get_preset("qwen3_0_6b").replace(n_layers=1)
+    refusal = r"^model.qk_norm=true does not run on block.backend=cute: .*use block.backend=reference"
     with torch.device("meta"), pytest.raises(ValueError, match=refusal):
-        CodaLlama(cfg, cute)
+        CodaLlama(qwen3, cute)
     with torch.device("meta"):
-        CodaLlama(cfg)
+        CodaLlama(qwen3)
+        CodaLlama(get_preset("qwen2_5_0_5b").replace(n_layers=1), cute)
 
 
 def test_a_qwen3_config_without_head_dim_has_transformers_default_of_128():
@@ -136,9 +137,10 @@ def test_a_qwen3_config_without_head_dim_has_transformers_default_of_128():
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3-tied", "mistral-head-dim"])
-def test_model_hf_plans_a_family_folder_and_the_cute_stages_refuse_the_qwens_by_name(tmp_path, name):
+def test_model_hf_plans_a_family_folder_and_the_cute_stages_refuse_a_qk_norm_by_name(tmp_path, name):
     """model=hf takes the family's architecture from config.json when the run is planned; the plan
-    for the cute stages (scripts/precompile.py's, no device) names the epilogue they lack."""
+    for the cute stages (scripts/precompile.py's, no device) names the epilogue they lack (Qwen3's
+    QK-norm) and takes the others."""
     theirs = transformers_model(name)
     theirs.save_pretrained(tmp_path)
     folder = ["model=hf", f"checkpoint.init_from={tmp_path}", "block=coda", "block.attention=sdpa"]
@@ -146,8 +148,8 @@ def test_model_hf_plans_a_family_folder_and_the_cute_stages_refuse_the_qwens_by_
     assert planned.model_cfg == saved_architecture(tmp_path)
     assert planned.model_cfg.family == theirs.config.model_type
     cute = validate(load_config([*folder, "block.backend=cute"]))
-    lacking = {"qwen2": "qkv_bias", "qwen3": "qk_norm"}.get(planned.model_cfg.family)
-    if lacking is None:  # Mistral is a Llama
+    lacking = {"qwen3": "qk_norm"}.get(planned.model_cfg.family)
+    if lacking is None:  # Mistral is a Llama; Qwen2's bias is an epilogue of the cute QKV GEMM
         assert build_run_plan(cute, None).block.backend == "cute"
     else:
         with pytest.raises(ValueError, match=rf"^model.{lacking}=true does not run on block.backend=cute"):
