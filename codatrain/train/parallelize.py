@@ -72,9 +72,12 @@ def apply_fsdp(model: CanonicalModel, mesh: DeviceMesh, compute_dtype: torch.dty
         else MixedPrecisionPolicy()
     )
     blocks = model.blocks()
+    # Unsharded by one process (one process, or pure replication), a block's parameters would be
+    # gathered again for backward by a copy of the whole block: keep the forward's copy instead.
+    sharded = mesh.size(mesh.ndim - 1) > 1
     for i, block in enumerate(blocks):
         # The last block's parameters are needed right away by backward: keep them unsharded.
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=i < len(blocks) - 1)
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=sharded and i < len(blocks) - 1)
     fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
