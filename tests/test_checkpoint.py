@@ -24,6 +24,7 @@ from codatrain.train import checkpoint_files
 from codatrain.train.canonical_state import (
     CanonicalMapping,
     canonical_state,
+    full_canonical_tensors,
     init_weights,
     strip_wrapper_prefixes,
 )
@@ -527,3 +528,45 @@ def test_republishing_a_step_replaces_it_and_clears_a_stale_old_copy(tmp_path):
     replace_dir(staged, final)
     assert (final / "weights").read_text() == "new"
     assert [p.name for p in tmp_path.iterdir()] == ["step_5"]
+
+
+@pytest.fixture
+def one_process_group():
+    """A gloo process group of this process alone: FSDP2 shards parameters into DTensors (a mesh
+    of one) as on many ranks, without starting processes."""
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sharded_model_inits_imports_and_exports_the_canonical_tensors_of_a_plain_one(tmp_path,
+                                                                                       one_process_group):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    def sharded_model():
+        model = PermutedLlama(CFG)
+        for block in model.layers:
+            fully_shard(block)
+        return fully_shard(model)
+
+    plain = PermutedLlama(CFG)
+    plain.init_weights(seed=7)
+    expected = dict(full_canonical_tensors(plain, CanonicalMapping(plain)))
+    sharded = sharded_model()
+    assert all(isinstance(p, DTensor) for p in sharded.parameters())
+    init_weights(sharded, seed=7)
+    exported = dict(full_canonical_tensors(sharded, CanonicalMapping(sharded)))
+    assert not any(isinstance(t, DTensor) for t in exported.values())
+    assert_same(exported, expected)
+
+    # HF import into a sharded model: each rank takes its shard of the full (bf16) canonical tensor.
+    save_hf(tmp_path / "hf", CFG, expected.items(), dtype=torch.bfloat16)
+    imported = sharded_model()
+    load_hf_weights(imported, tmp_path / "hf", CFG, log=lambda line: None)
+    for name, tensor in imported.state_dict().items():
+        assert tensor.dtype == torch.float32 and isinstance(tensor, DTensor), name
+    assert_same(dict(full_canonical_tensors(imported, CanonicalMapping(imported))),
+                {k: v.to(torch.bfloat16).float() for k, v in expected.items()})
