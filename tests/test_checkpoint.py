@@ -570,3 +570,17 @@ def test_a_sharded_model_inits_imports_and_exports_the_canonical_tensors_of_a_pl
         assert tensor.dtype == torch.float32 and isinstance(tensor, DTensor), name
     assert_same(dict(full_canonical_tensors(imported, CanonicalMapping(imported))),
                 {k: v.to(torch.bfloat16).float() for k, v in expected.items()})
+
+
+def test_a_sharded_model_saves_and_resumes_the_canonical_checkpoint_of_a_plain_one(tmp_path,
+                                                                                   one_process_group):
+    sharded = Run(tmp_path / "a", model_cls=PermutedLlama, shard=True)
+    sharded.step()
+    step_1 = sharded.ckpt.save(1)
+    plain = Run(tmp_path / "b", resume=str(step_1))
+    assert plain.ckpt.restore() == 1
+    assert_same(plain.canonical(), sharded.canonical())
+    resharded = Run(tmp_path / "c", model_cls=PermutedLlama, shard=True, resume=str(step_1))
+    assert resharded.ckpt.restore() == 1
+    assert_same(resharded.canonical(), sharded.canonical())
+    assert resharded.step() == sharded.step()
