@@ -26,6 +26,7 @@ from codatrain.train.canonical_state import (
     canonical_state,
     full_canonical_tensors,
     init_weights,
+    state_entries,
     strip_wrapper_prefixes,
 )
 from codatrain.train.checkpoint import CheckpointError, inspect_checkpoint, replace_dir
@@ -583,4 +584,20 @@ def test_a_sharded_model_saves_and_resumes_the_canonical_checkpoint_of_a_plain_o
     resharded = Run(tmp_path / "c", model_cls=PermutedLlama, shard=True, resume=str(step_1))
     assert resharded.ckpt.restore() == 1
     assert_same(resharded.canonical(), sharded.canonical())
+    qkv = "layers.0.self_attn.qkv_proj.weight"  # canonical rows in the checkpoint, permuted in the models
+    canonical_qkv = plain.model.get_parameter(qkv)
+    for permuted in (sharded, resharded):
+        assert torch.equal(permuted.model.get_parameter(qkv).full_tensor(), canonical_qkv.flip(0))
     assert resharded.step() == sharded.step()
+
+
+def test_the_canonical_state_holds_tensors_and_the_param_groups_without_their_parameters():
+    model = Llama(CFG)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    mapping = CanonicalMapping(model)
+    _, groups = canonical_state(model, optimizer, mapping)
+    assert groups == [{k: v for k, v in optimizer.param_groups[0].items() if k != "params"}]
+    assert groups[0]["lr"] == 3e-3
+    optim_state = {"state": {"lm_head.weight": {"step": 3.0}}}
+    with pytest.raises(TypeError, match=r"^optimizer state lm_head.weight.step is a float, not a tensor$"):
+        state_entries({}, optim_state, mapping)
