@@ -24,7 +24,9 @@ from codatrain.train import checkpoint_files
 from codatrain.train.canonical_state import (
     CanonicalMapping,
     canonical_state,
+    full_canonical_tensors,
     init_weights,
+    state_entries,
     strip_wrapper_prefixes,
 )
 from codatrain.train.checkpoint import CheckpointError, inspect_checkpoint, replace_dir
@@ -527,3 +529,75 @@ def test_republishing_a_step_replaces_it_and_clears_a_stale_old_copy(tmp_path):
     replace_dir(staged, final)
     assert (final / "weights").read_text() == "new"
     assert [p.name for p in tmp_path.iterdir()] == ["step_5"]
+
+
+@pytest.fixture
+def one_process_group():
+    """A gloo process group of this process alone: FSDP2 shards parameters into DTensors (a mesh
+    of one) as on many ranks, without starting processes."""
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sharded_model_inits_imports_and_exports_the_canonical_tensors_of_a_plain_one(tmp_path,
+                                                                                       one_process_group):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    def sharded_model():
+        model = PermutedLlama(CFG)
+        for block in model.layers:
+            fully_shard(block)
+        return fully_shard(model)
+
+    plain = PermutedLlama(CFG)
+    plain.init_weights(seed=7)
+    expected = dict(full_canonical_tensors(plain, CanonicalMapping(plain)))
+    sharded = sharded_model()
+    assert all(isinstance(p, DTensor) for p in sharded.parameters())
+    init_weights(sharded, seed=7)
+    exported = dict(full_canonical_tensors(sharded, CanonicalMapping(sharded)))
+    assert not any(isinstance(t, DTensor) for t in exported.values())
+    assert_same(exported, expected)
+
+    # HF import into a sharded model: each rank takes its shard of the full (bf16) canonical tensor.
+    save_hf(tmp_path / "hf", CFG, expected.items(), dtype=torch.bfloat16)
+    imported = sharded_model()
+    load_hf_weights(imported, tmp_path / "hf", CFG, log=lambda line: None)
+    for name, tensor in imported.state_dict().items():
+        assert tensor.dtype == torch.float32 and isinstance(tensor, DTensor), name
+    assert_same(dict(full_canonical_tensors(imported, CanonicalMapping(imported))),
+                {k: v.to(torch.bfloat16).float() for k, v in expected.items()})
+
+
+def test_a_sharded_model_saves_and_resumes_the_canonical_checkpoint_of_a_plain_one(tmp_path,
+                                                                                   one_process_group):
+    sharded = Run(tmp_path / "a", model_cls=PermutedLlama, shard=True)
+    sharded.step()
+    step_1 = sharded.ckpt.save(1)
+    plain = Run(tmp_path / "b", resume=str(step_1))
+    assert plain.ckpt.restore() == 1
+    assert_same(plain.canonical(), sharded.canonical())
+    resharded = Run(tmp_path / "c", model_cls=PermutedLlama, shard=True, resume=str(step_1))
+    assert resharded.ckpt.restore() == 1
+    assert_same(resharded.canonical(), sharded.canonical())
+    qkv = "layers.0.self_attn.qkv_proj.weight"  # canonical rows in the checkpoint, permuted in the models
+    canonical_qkv = plain.model.get_parameter(qkv)
+    for permuted in (sharded, resharded):
+        assert torch.equal(permuted.model.get_parameter(qkv).full_tensor(), canonical_qkv.flip(0))
+    assert resharded.step() == sharded.step()
+
+
+def test_the_canonical_state_holds_tensors_and_the_param_groups_without_their_parameters():
+    model = Llama(CFG)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    mapping = CanonicalMapping(model)
+    _, groups = canonical_state(model, optimizer, mapping)
+    assert groups == [{k: v for k, v in optimizer.param_groups[0].items() if k != "params"}]
+    assert groups[0]["lr"] == 3e-3
+    optim_state = {"state": {"lm_head.weight": {"step": 3.0}}}
+    with pytest.raises(TypeError, match=r"^optimizer state lm_head.weight.step is a float, not a tensor$"):
+        state_entries({}, optim_state, mapping)

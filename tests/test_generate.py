@@ -90,6 +90,22 @@ def test_cached_logits_match_the_full_forward():
         KVCache(CFG, 1, CFG.max_seq_len + 1, "cpu", torch.float32)
 
 
+def test_decoding_with_a_cache_reaches_exactly_max_seq_len_positions():
+    """The length bound counts the cached positions: a full cache takes no further token."""
+    cfg = CFG.replace(max_seq_len=8)
+    model, tokens = tiny_model(cfg=cfg), prompts(length=9)
+    cache = KVCache(cfg, 2, cfg.max_seq_len, "cpu", torch.float32)
+    with torch.no_grad():
+        model(tokens[:, :5], cache=cache)
+        with pytest.raises(ValueError, match=r"^sequence length 9 exceeds model.max_seq_len=8$"):
+            model(tokens[:, 5:], cache=cache)  # 5 cached + 4; refused before the cache changes
+        stepped = [model(tokens[:, i:i + 1], cache=cache) for i in range(5, 8)]
+        assert cache.length == 8 == cfg.max_seq_len
+        torch.testing.assert_close(stepped[-1][:, -1], model(tokens[:, :8])[:, -1], rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match=r"^sequence length 9 exceeds model.max_seq_len=8$"):
+            model(tokens[:, :1], cache=cache)
+
+
 def test_a_cache_may_hold_max_seq_len_positions_in_the_dtype_and_on_the_device_asked_for():
     cache = KVCache(CFG, 2, CFG.max_seq_len, "meta", torch.bfloat16)
     assert len(cache.layers) == CFG.n_layers
