@@ -1,3 +1,4 @@
+import gc
 import os
 import subprocess
 import sys
@@ -20,9 +21,12 @@ REPO = Path(__file__).resolve().parent.parent
 def no_process_group_left():
     """A Trainer built in a test joins the process group of one that `init_distributed` makes
     (scripts/train.py's `train` ends it); end it after the test, so that each test starts as a
-    new process does."""
+    new process does. Then free what the test left in reference cycles: a DataLoader worker forked
+    by a later test would otherwise inherit an ended gloo group as garbage, and its collector
+    hangs in the group's destructor (its threads are not in the fork)."""
     yield
     shutdown_distributed()
+    gc.collect()
 
 
 @pytest.fixture
