@@ -183,12 +183,13 @@ def test_script_check_and_nothing_to_compile(tmp_path):
     not all(importlib.util.find_spec(name) for name in CUDA_EXTRAS),
     reason="needs the cuda extras (nvidia-cutlass-dsl, quack-kernels, flash-attn-4) and triton",
 )
-@pytest.mark.parametrize("widths", [[], ODD_SHAPES, QKV_BIAS], ids=["tiny", "odd-shapes", "qkv-bias"])
+# One build covers the odd widths and the QKV bias (each build costs CI a minute or two).
+@pytest.mark.parametrize("widths", [[], [*ODD_SHAPES, *QKV_BIAS]], ids=["tiny", "odd-shapes-qkv-bias"])
 def test_precompile_tiny_for_sm90a(tmp_path, widths):
-    """The tiny config; the same with a vocabulary that is not a multiple of 8 (its LM head pads
-    the logits rows; unpadded, the cross-entropy kernel stopped the build with a compiler error) and
-    an out-projection and down-projection that tile differently (F1 and F3 leave different numbers
-    of x² partials); and with a QKV bias (Qwen2: the bias variants of F4 and the RoPE backward).
+    """The tiny config, and the same with a vocabulary that is not a multiple of 8 (its LM head pads
+    the logits rows; unpadded, the cross-entropy kernel stopped the build with a compiler error), an
+    out-projection and down-projection that tile differently (F1 and F3 leave different numbers of
+    x² partials) and a QKV bias (Qwen2: the bias variants of F4 and the RoPE backward).
     A micro-step of the model on fake tensors then finds every kernel it launches
     in the cache (tests/fake_job.py): a precompiled job compiles nothing."""
     proc = precompile_script("model=tiny", *widths, f"kernels.cache_dir={tmp_path}", "--jobs", "2")
