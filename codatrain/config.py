@@ -136,6 +136,9 @@ class BlockConfig:
     fp8_history_len: int = 16  # precision=fp8: steps of amax history a delayed scale looks back over
     fp8_margin: int = 0  # precision=fp8: scales divided by 2**margin, headroom for a growing amax
     fp8_grad_format: Fp8GradFormat = Fp8GradFormat.e5m2  # precision=fp8: the gradients' FP8 format
+    # precision=fp8: the weight gradients in FP8 too (token-contiguous FP8 copies of their operands);
+    # false: in the compute dtype, from the tensors the backward has anyway.
+    fp8_wgrad: bool = False
 
     def __post_init__(self) -> None:
         if self.impl != BlockImpl.coda:
@@ -154,7 +157,7 @@ class BlockConfig:
         require_not_negative(self, "block", "fp8_margin")
         if self.precision != Precision.fp8:
             defaults = {f.name: f.default for f in dataclasses.fields(BlockConfig)}
-            for key in ("fp8_history_len", "fp8_margin", "fp8_grad_format"):
+            for key in ("fp8_history_len", "fp8_margin", "fp8_grad_format", "fp8_wgrad"):
                 if getattr(self, key) != defaults[key]:
                     raise ValueError(f"block.{key}={getattr(self, key)} sets the FP8 recipe; it needs "
                                      "block.precision=fp8")

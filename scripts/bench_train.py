@@ -18,7 +18,8 @@ variant in a later file replaces one of the same name). `--profile N` profiles N
 the timed ones (a torch.profiler summary per variant, named in the JSON).
 
 Variants (`--variants`, names from codatrain/train/runs.py VARIANTS): eager, compile (eager +
-torch.compile), coda, coda_compile, coda_reference, liger: the eager model with liger-kernel
+torch.compile), coda, coda_compile, coda_reference, coda_fp8 (block.precision=fp8: the layer GEMMs
+in FP8 with per-tensor delayed scaling), liger: the eager model with liger-kernel
 0.8.5's fused RMSNorm, SwiGLU, RoPE and fused linear cross-entropy, the peer for memory savings
 without custom kernels (a CUDA GPU and `pip install 'codatrain[liger]'`), and compile_fp8_tensorwise
 / compile_fp8_rowwise: the compile variant with torchao's float8 training of the layer GEMMs

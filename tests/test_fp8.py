@@ -146,7 +146,8 @@ def test_fp8_stages_compute_the_fp32_math_of_their_dequantized_operands():
     close(s.wgrad(dz, h), dq(dz).t() @ dq(h))
 
 
-def fp8_gradient_errors(name: str, grad_dtype: torch.dtype) -> tuple[float, dict[str, float]]:
+def fp8_gradient_errors(name: str, grad_dtype: torch.dtype,
+                        wgrad_fp8: bool) -> tuple[float, dict[str, float]]:
     """The relative error of the FP8 model's loss and of each parameter gradient against the
     fp64 model, both the reference CODA model on the same random weights and batch."""
     cfg = CONFIGS[name]
@@ -156,7 +157,7 @@ def fp8_gradient_errors(name: str, grad_dtype: torch.dtype) -> tuple[float, dict
     tokens, targets = batch(cfg, 2, 13, ignore=True)
     exact_loss = exact(tokens, targets)
     exact_loss.backward()
-    model = CodaLlama(cfg, fp8=Fp8Recipe(grad_dtype=grad_dtype))
+    model = CodaLlama(cfg, fp8=Fp8Recipe(grad_dtype=grad_dtype, wgrad_fp8=wgrad_fp8))
     load_canonical(model, {k: v.float() for k, v in state.items()})
     loss = model(tokens, targets)
     loss.backward()
@@ -171,9 +172,10 @@ def quantization_error(dtype: torch.dtype) -> float:
     return ((fp8.quantize(x, QuantizeTo(dtype, None)).dequantize().double() - x).norm() / x.norm()).item()
 
 
+@pytest.mark.parametrize("wgrad_fp8", [True, False], ids=["wgrad_fp8", "wgrad_bf16"])
 @pytest.mark.parametrize("grad_format", ["e5m2", "e4m3"])
 @pytest.mark.parametrize("name", ["mha-L1", "gqa4-L2", "gqa2-L3", "llama3-tied-L2", "mqa6-L5"])
-def test_fp8_loss_and_every_gradient_are_within_fp8s_own_error_of_fp64(name, grad_format):
+def test_fp8_loss_and_every_gradient_are_within_fp8s_own_error_of_fp64(name, grad_format, wgrad_fp8):
     """The criterion: with ε the measured relative error of quantizing an operand (e4m3: 0.026,
     e5m2: 0.053) and L the layers, every gradient's relative error against fp64 is at most
     2·(L + 1)·(ε_e4m3 + ε_grad) (errors grow through the layers: measured 1.5–4.5× the sum at L =
@@ -181,22 +183,28 @@ def test_fp8_loss_and_every_gradient_are_within_fp8s_own_error_of_fp64(name, gra
     happened); the loss is within ε_e4m3 (measured ≤ 0.14 ε)."""
     grad_dtype = fp8.GRAD_FORMATS[grad_format]
     eps = quantization_error(E4M3) + quantization_error(grad_dtype)
-    loss_error, errors = fp8_gradient_errors(name, grad_dtype)
+    loss_error, errors = fp8_gradient_errors(name, grad_dtype, wgrad_fp8)
     bound = 2 * (CONFIGS[name].n_layers + 1) * eps
     assert loss_error < quantization_error(E4M3)
     assert max(errors.values()) < bound, max(errors.items(), key=lambda kv: kv[1])
     assert min(errors.values()) > 0.1 * eps, min(errors.items(), key=lambda kv: kv[1])
 
 
-def test_evaluation_records_no_amax_and_training_records_every_operand():
+@pytest.mark.parametrize("wgrad_fp8", [True, False], ids=["wgrad_fp8", "wgrad_bf16"])
+def test_evaluation_records_no_amax_and_training_records_every_operand_of_the_recipe(wgrad_fp8):
     cfg = CONFIGS["gqa2-L3"]
-    model = CodaLlama(cfg, fp8=Fp8Recipe())
+    recipe = Fp8Recipe(wgrad_fp8=wgrad_fp8)
+    model = CodaLlama(cfg, fp8=recipe)
     tokens, targets = batch(cfg, 2, 13, ignore=False)
     with torch.no_grad():
         model(tokens, targets)
     assert model.fp8_scaling.step_amax.abs().sum() == 0
     model(tokens, targets).backward()
-    assert (model.fp8_scaling.step_amax > 0).all()  # every (layer, operand) of the recipe
+    used = recipe.operands()
+    assert len(used) == (10 if wgrad_fp8 else 8)
+    assert (model.fp8_scaling.step_amax[:, used] > 0).all()  # every (layer, operand) of the recipe
+    unused = [op for op in fp8.Operand if op not in used]
+    assert (model.fp8_scaling.step_amax[:, unused] == 0).all()
 
 
 @pytest.mark.parametrize("key", ["qkv_bias", "qk_norm"])

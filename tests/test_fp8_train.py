@@ -107,7 +107,9 @@ def test_a_nonfinite_amax_skips_the_update_and_keeps_the_history(tmp_path, monke
     assert result.final_step == 4 and updates == [1, 2, 3, 4] and next(calls) == 6  # 5 steps computed
     # Four steps entered the history, newest first; the skipped one left no value.
     history = trainer.fp8_scaling.history
-    assert trainer.fp8_scaling.steps == 4 and (history[..., :4] > 0).all() and (history[..., 4:] == 0).all()
+    used = trainer.fp8_scaling.recipe.operands()
+    assert trainer.fp8_scaling.steps == 4
+    assert (history[:, used, :4] > 0).all() and (history[..., 4:] == 0).all()
     lines = [line for line in (tmp_path / LOG_FILE).read_text().splitlines() if "FP8 amax" in line]
     assert lines == ["step 3: FP8 amax not finite (layer 1 down_in); update skipped, the amax history kept"]
 
@@ -117,6 +119,8 @@ def test_a_nonfinite_amax_skips_the_update_and_keeps_the_history(tmp_path, monke
      r"^block.precision=fp8 is the FP8 CODA block \(block=coda\), not block=eager; the eager model's FP8 is "
      r"torchao's: train.float8=tensorwise or rowwise with block=eager$"),
     (["block=liger", "block.precision=fp8"], r"not block=liger"),
+    ([*CODA, "block.fp8_wgrad=true"],
+     r"^block.fp8_wgrad=True sets the FP8 recipe; it needs block.precision=fp8$"),
     ([*CODA, "block.fp8_margin=1"],
      r"^block.fp8_margin=1 sets the FP8 recipe; it needs block.precision=fp8$"),
     ([*FP8, "block.fp8_history_len=0"], r"^block.fp8_history_len must be positive, got 0$"),
@@ -126,13 +130,47 @@ def test_fp8_keys_that_do_not_apply_are_refused_by_name(overrides, refusal):
         validate(load_config(overrides))
 
 
-def test_the_plan_refuses_fp8_on_the_cute_stages_and_names_the_recipe_otherwise():
-    cute = validate(load_config(["block=coda", "block.backend=cute", "block.precision=fp8"]))
-    with pytest.raises(ValueError, match=r"^block.precision=fp8: the FP8 stages are not built for "
-                                         r"block.backend=cute yet; use block.backend=reference$"):
-        build_run_plan(cute, None)  # the sm_90 target, as scripts/precompile.py plans it
+def test_the_plan_takes_fp8_on_the_cute_stages_at_widths_of_whole_fp8_rows_and_names_the_recipe():
+    cute = ["block=coda", "block.backend=cute", "block.precision=fp8"]
+    # The sm_90 target, as scripts/precompile.py plans it.
+    assert build_run_plan(validate(load_config([*cute, "model=llama3_125m"])), None).fp8 is not None
+    with pytest.raises(ValueError, match=r"^model.ffn_dim=2056 does not run with block.precision=fp8 on "
+                                         r"block.backend=cute: FP8 operands move in 16-byte rows, so it must "
+                                         r"be a multiple of 16 \(nearest: 2048 or 2064\)$"):
+        build_run_plan(validate(load_config([*cute, "model=llama3_125m", "model.ffn_dim=2056"])), None)
     plan = build_run_plan(validate(load_config([*FP8, "block.fp8_grad_format=e4m3", "block.fp8_margin=1"])),
                           torch.device("cpu"))
     assert plan.fp8.margin == 1 and plan.fp8.grad_dtype == torch.float8_e4m3fn
-    assert ("float32, layer GEMMs in fp8 (e4m3, gradients e4m3; delayed scaling over 16 steps, margin 1)"
-            in plan.header()[0])
+    assert ("float32, layer GEMMs in fp8 (e4m3, gradients e4m3, weight gradients in the compute dtype; "
+            "delayed scaling over 16 steps, margin 1)" in plan.header()[0])
+    plan = build_run_plan(validate(load_config([*FP8, "block.fp8_wgrad=true"])), torch.device("cpu"))
+    assert plan.fp8.wgrad_fp8 and "weight gradients in FP8" in plan.header()[0]
+
+
+def test_fsdp2_mixed_precision_leaves_the_fp8_state_as_it_is():
+    """FSDP2's policy casts the floating tensors among a block's forward arguments to the compute
+    dtype: the FP8 scaling the blocks receive must reach them uncast, or the amaxes are recorded
+    into bf16 copies and lost (the history stays zero) and the scales reach the kernels in bf16."""
+    from codatrain.kernels.fp8 import Fp8Recipe
+    from codatrain.kernels.resolve import portable_block
+    from codatrain.model.coda import CodaLlama
+    from codatrain.model.config import get_preset
+    from codatrain.train.canonical_state import init_weights
+    from codatrain.train.parallelize import apply_fsdp, device_mesh
+    from codatrain.train.plan import DataParallelMesh
+
+    init_distributed("cpu")
+    cfg = get_preset("tiny")
+    with torch.device("meta"):
+        model = CodaLlama(cfg, portable_block(), fp8=Fp8Recipe())
+    apply_fsdp(model, device_mesh(torch.device("cpu"), DataParallelMesh(1, 1)), torch.bfloat16)
+    model.to_empty(device="cpu")
+    init_weights(model, seed=0)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 32))
+    for _ in range(2):  # current scaling, then delayed scales from the first step's amaxes
+        model(tokens, tokens).backward()
+        used = model.fp8_scaling.recipe.operands()
+        assert (model.fp8_scaling.step_amax[:, used] > 0).all(), "amaxes recorded into copies"
+        model.fp8_scaling.commit_step()
+        assert model.fp8_scaling.scales.dtype == torch.float32
+    assert (model.fp8_scaling.history[:, used, :2] > 0).all()

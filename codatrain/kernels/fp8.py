@@ -4,8 +4,9 @@ rule and the amax-history update: the reference stages compute with them and the
 match them.
 
 - Each of the four layer GEMMs of every layer (QKV, out-projection, gate-up, down) multiplies two
-  FP8 operands in forward, dgrad and wgrad: activations and weights in e4m3, gradients in the
-  recipe's gradient format (e5m2 by default). The GEMM accumulates the exact products of the FP8
+  FP8 operands in forward and dgrad, and in wgrad with `Fp8Recipe.wgrad_fp8` (else the weight
+  gradients multiply the activation-dtype tensors): activations and weights in e4m3, gradients in
+  the recipe's gradient format (e5m2 by default). The GEMM accumulates the exact products of the FP8
   values in fp32 and multiplies the sum by 1/(s_a·s_b) (`matmul`).
 - Quantizing x with scale s writes saturate(x·s) rounded to the nearest FP8 value (ties to even):
   x·s formed in fp32, clamped to ±max of the format (NaN stays NaN), then rounded (`quantize`).
@@ -133,6 +134,8 @@ class Operand(IntEnum):
 
 
 GRAD_OPERANDS = frozenset({Operand.qkv_grad, Operand.out_grad, Operand.gate_up_grad, Operand.down_grad})
+# The operands that only a weight gradient reads (in FP8 only with `Fp8Recipe.wgrad_fp8`).
+WGRAD_ONLY_OPERANDS = frozenset({Operand.qkv_wgrad_in, Operand.gate_up_wgrad_in})
 
 
 @dataclass(frozen=True)
@@ -140,9 +143,19 @@ class Fp8Recipe:
     history_len: int = 16  # steps of amax history a delayed scale looks back over
     margin: int = 0  # scales are divided by 2**margin: headroom against an amax that grows
     grad_dtype: torch.dtype = E5M2  # the gradients' format; activations and weights are e4m3
+    # The weight gradients in FP8 too. Off, they are GEMMs of the activation-dtype tensors the
+    # backward has anyway (torchao's "rowwise_with_gw_hp"): sm_90's FP8 GEMMs read both operands
+    # contiguous along the contraction, which for a weight gradient is the tokens, so FP8 weight
+    # gradients need a token-contiguous FP8 copy of each of their operands.
+    wgrad_fp8: bool = False
 
     def format_of(self, operand: Operand) -> torch.dtype:
         return self.grad_dtype if operand in GRAD_OPERANDS else E4M3
+
+    def operands(self) -> list[Operand]:
+        """The operands this recipe quantizes, and so records an amax for, in every layer."""
+        unused = set() if self.wgrad_fp8 else WGRAD_ONLY_OPERANDS
+        return [op for op in Operand if op not in unused]
 
     def weight(self) -> QuantizeTo:
         """How a weight is quantized: e4m3, its own current amax."""
@@ -150,18 +163,27 @@ class Fp8Recipe:
 
     def describe(self) -> str:
         grads = {v: k for k, v in GRAD_FORMATS.items()}[self.grad_dtype]
-        return (f"fp8 (e4m3, gradients {grads}; delayed scaling over {self.history_len} steps, "
-                f"margin {self.margin})")
+        wgrad = "in FP8" if self.wgrad_fp8 else "in the compute dtype"
+        return (f"fp8 (e4m3, gradients {grads}, weight gradients {wgrad}; delayed scaling over "
+                f"{self.history_len} steps, margin {self.margin})")
 
 
-@dataclass(frozen=True)
 class Fp8Step:
     """The scaling of one forward and its backward: the scales of every (layer, operand), and
-    where the amaxes go. Made by `Fp8Scaling.step_view`."""
+    where the amaxes go. Made by `Fp8Scaling.step_view`.
 
-    recipe: Fp8Recipe
-    scales: torch.Tensor | None  # (layers, len(Operand)) fp32; None: the first step, current scaling
-    step_amax: torch.Tensor | None  # (layers, len(Operand)) fp32, maxed into; None: not recorded
+    Not a dataclass or a tuple on purpose: the model hands it to its blocks among their forward
+    arguments, and FSDP2's mixed precision rebuilds those containers with every floating tensor
+    cast to the compute dtype. The amaxes would be recorded into bf16 copies and lost, and the
+    scales would reach the kernels in bf16."""
+
+    __slots__ = ("recipe", "scales", "step_amax")
+
+    def __init__(self, recipe: Fp8Recipe, scales: torch.Tensor | None,
+                 step_amax: torch.Tensor | None) -> None:
+        self.recipe = recipe
+        self.scales = scales  # (layers, len(Operand)) fp32; None: the first step, current scaling
+        self.step_amax = step_amax  # (layers, len(Operand)) fp32, maxed into; None: not recorded
 
     def to(self, layer: int, operand: Operand) -> QuantizeTo:
         scale = None if self.scales is None else self.scales[layer, operand]

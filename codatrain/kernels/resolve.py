@@ -23,6 +23,9 @@ from codatrain.kernels.stages import BackendUnavailableError, StageBackend, get_
 # multiples of 8 elements. The vocabulary is exempt: real tokenizers leave it ragged, so the
 # LM head pads its logits rows internally (codatrain.kernels.cute.head).
 ROW_MULTIPLE = 8
+# FP8 operands (block.precision=fp8) are 1-byte elements in the same 16-byte rows, in both
+# orientations (the weight gradients read token-contiguous copies).
+FP8_ROW_MULTIPLE = 16
 # The head dims at which FlashAttention 4 (4.0.0b36) on sm_90 computes attention and its gradient
 # correctly, as tests/gpu/test_cute_forward.py::test_fa4_attention_at_head_dims measured them on an
 # H200: the multiples of 32. It accepts every multiple of 8 up to 256, but its backward is wrong at
@@ -56,22 +59,23 @@ class ResolvedBlock:
         """Why this block's kernels cannot run a model of these widths and attention epilogues
         (one line naming the key, and the nearest widths or the block that run it), or None when
         they can; `fp8`: with FP8 layer GEMMs (block.precision=fp8). Any vocabulary runs."""
+        widths = {"model.dim": dim, "model.ffn_dim": ffn_dim, "model.head_dim": head_dim}
         if fp8:
             if self.cute_stages:
-                return ("block.precision=fp8: the FP8 stages are not built for block.backend=cute yet; "
-                        "use block.backend=reference")
+                problem = _width_problem(widths, FP8_ROW_MULTIPLE, "with block.precision=fp8 on "
+                                         "block.backend=cute: FP8 operands move in 16-byte rows")
+                if problem:
+                    return problem
             # rope_bwd writes dz in FP8 only, and the bias gradient and the QK-norm's backward read it.
             for key, on in (("qkv_bias", qkv_bias), ("qk_norm", qk_norm)):
                 if on:
                     return (f"block.precision=fp8 does not cover model.{key}=true yet; use "
                             "block.precision=bf16")
         if self.cute_stages:
-            for key, width in (("model.dim", dim), ("model.ffn_dim", ffn_dim), ("model.head_dim", head_dim)):
-                if width % ROW_MULTIPLE:
-                    below = width - width % ROW_MULTIPLE
-                    nearest = f"{below} or {below + ROW_MULTIPLE}" if below else str(ROW_MULTIPLE)
-                    return (f"{key}={width} does not run on block.backend=cute: its kernels move rows in "
-                            f"16-byte units, so it must be a multiple of {ROW_MULTIPLE} (nearest: {nearest})")
+            problem = _width_problem(widths, ROW_MULTIPLE, "on block.backend=cute: its kernels move rows in "
+                                     "16-byte units")
+            if problem:
+                return problem
             # The cute QKV GEMM has no QK-norm epilogue yet; the reference stages compute it.
             if qk_norm:
                 return ("model.qk_norm=true does not run on block.backend=cute: its QKV GEMM has no "
@@ -87,6 +91,17 @@ class ResolvedBlock:
         if self.impl != "coda":
             return self.impl
         return f"coda (stages {self.backend}, attention {self.attention})"
+
+
+def _width_problem(widths: dict[str, int], multiple: int, why: str) -> str | None:
+    """The first of `widths` (config key → value) that is no multiple of `multiple`, as one line."""
+    for key, width in widths.items():
+        if width % multiple:
+            below = width - width % multiple
+            nearest = f"{below} or {below + multiple}" if below else str(multiple)
+            return (f"{key}={width} does not run {why}, so it must be a multiple of {multiple} "
+                    f"(nearest: {nearest})")
+    return None
 
 
 def resolve_block(impl: str, backend: str, attention: str, device: torch.device | str | None,

@@ -119,6 +119,11 @@ def _weights(s: StageBackend, f: Fp8Step | None, *weights: torch.Tensor) -> list
     return list(weights) if f is None else [s.quantize(w, f.recipe.weight()) for w in weights]
 
 
+def _wgrad_fp8(f: Fp8Step | None) -> bool:
+    """Whether the weight gradients multiply FP8 operands (else activation-dtype tensors)."""
+    return f is not None and f.recipe.wgrad_fp8
+
+
 def _quantize(s: StageBackend, f: Fp8Step | None, layer: int, operand: Operand,
               x: torch.Tensor) -> torch.Tensor | Fp8Tensor:
     """x as a GEMM operand that no stage epilogue writes (attention's output, the head's dx)."""
@@ -155,8 +160,10 @@ def _mlp_forward(
     f.record(layer, Operand.down_in, y)
     if h_out_fp8:
         f.record(layer + 1, Operand.qkv_in, h2)
-    # o is kept in FP8 for its wgrad; the backward recomputes y with the forward's scale.
-    return (oq.data, oq.scale, y.scale, x1, r1, preact, w_o, gamma_mlp, w_gu, w_down), x2, h2, r2
+    # o is kept for its wgrad (in FP8 when the weight gradients are); the backward recomputes y
+    # with the forward's scale.
+    o_saved, o_scale = (oq.data, oq.scale) if _wgrad_fp8(f) else (o, None)
+    return (o_saved, o_scale, y.scale, x1, r1, preact, w_o, gamma_mlp, w_gu, w_down), x2, h2, r2
 
 
 def _mlp_backward(
@@ -170,27 +177,33 @@ def _mlp_backward(
     """
     o, o_scale, y_scale, x1, r1, preact, w_o, gamma_mlp, w_gu, w_down = saved
     wq_o, wq_gu, wq_down = _weights(s, f, w_o, w_gu, w_down)
-    y_arg = {}
-    if f is not None:
+    wgrad_fp8 = _wgrad_fp8(f)
+    fp8_args = {}
+    if wgrad_fp8:
         o = Fp8Tensor(o, o_scale, x1.dtype)
-        y_arg = {"y_fp8": QuantizeTo(f.recipe.format_of(Operand.down_in), y_scale)}
-    dpreact, y, zdz = s.gemm_dswiglu(dx2_operand, wq_down, preact,
-                                     **_fp8_arg(f, layer, Operand.gate_up_grad, "dpreact_fp8"), **y_arg)
-    dw_down = s.wgrad(dx2_operand, y)
+        fp8_args = {"y_fp8": QuantizeTo(f.recipe.format_of(Operand.down_in), y_scale),
+                    **_fp8_arg(f, layer, Operand.gate_up_grad, "dpreact_fp8")}
+    dpreact, y, zdz = s.gemm_dswiglu(dx2_operand, wq_down, preact, **fp8_args)
+    dw_down = s.wgrad(dx2_operand if wgrad_fp8 else dx2, y)
     # x1 feeds both the MLP norm and the residual path to x2, whose gradient the epilogue adds.
     if f is None:
         dx1, n1, dgamma = s.gemm_rms_bwd(dpreact, wq_gu, x1, gamma_mlp, r1, zdz, dx2)
         dx1_operand = dx1
-    else:
+    elif wgrad_fp8:
         _record(f, layer, Operand.gate_up_grad, dpreact)
         dx1, dx1_operand, n1, dgamma = s.gemm_rms_bwd_fp8(
             dpreact, wq_gu, x1, gamma_mlp, r1, zdz, dx2, n_fp8=f.to(layer, Operand.gate_up_wgrad_in),
             dx_fp8=f.to(layer, Operand.out_grad))
         _record(f, layer, Operand.gate_up_wgrad_in, n1)
         _record(f, layer, Operand.out_grad, dx1_operand)
+    else:
+        # The dgrads on FP8 operands, the weight gradients on dpreact, n1, dx1 as they are.
+        dpreact_operand = _quantize(s, f, layer, Operand.gate_up_grad, dpreact)
+        dx1, n1, dgamma = s.gemm_rms_bwd(dpreact_operand, wq_gu, x1, gamma_mlp, r1, zdz, dx2)
+        dx1_operand = _quantize(s, f, layer, Operand.out_grad, dx1)
     dw_gu = s.wgrad(dpreact, n1)
     do = s.dgrad(dx1_operand, wq_o)
-    dw_o = s.wgrad(dx1_operand, o)
+    dw_o = s.wgrad(dx1_operand if wgrad_fp8 else dx1, o)
     # x1 = x_in + o·W_oᵀ: x_in's gradient is dx1 itself.
     return do, dx1, dw_o, _dgamma(dgamma, gamma_mlp), dw_gu, dw_down
 
@@ -220,13 +233,15 @@ def _qkv_backward(
     k_norm: torch.Tensor | None, f: Fp8Step | None, layer: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """F4's epilogue backward: (dz, the attention norm's zdz, db_qkv, dq_norm, dk_norm), None for
-    what the model lacks; dz in FP8 with `f` (a model with FP8 has neither bias nor QK-norm)."""
+    what the model lacks; dz in FP8 when the weight gradients are (a model with FP8 has neither
+    bias nor QK-norm)."""
     bias = {} if b_qkv is None else {"bias": b_qkv}
     dq_norm = dk_norm = None
     if q_norm is None:
-        dz, zdz = s.rope_bwd(dqkv, qkv, positions, **c.rope, **bias,
-                             **_fp8_arg(f, layer, Operand.qkv_grad, "dz_fp8"))
-        _record(f, layer, Operand.qkv_grad, dz)
+        dz_fp8 = _fp8_arg(f, layer, Operand.qkv_grad, "dz_fp8") if _wgrad_fp8(f) else {}
+        dz, zdz = s.rope_bwd(dqkv, qkv, positions, **c.rope, **bias, **dz_fp8)
+        if dz_fp8:
+            _record(f, layer, Operand.qkv_grad, dz)
     else:
         dz, zdz, dq, dk = s.qknorm_rope_bwd(dqkv, qkv, z, positions, **c.rope, q_heads=c.q_heads,
                                             q_weight=q_norm, k_weight=k_norm, eps=c.eps, **bias)
@@ -246,6 +261,12 @@ def _qkv_gemm_backward(
         dx, n, dgamma = s.gemm_rms_bwd(dz, w_qkv, x, gamma, rstd, zdz, dx_residual)
         return dx, dx, dgamma, s.wgrad(dz, n)
     (wq,) = _weights(s, f, w_qkv)
+    if not f.recipe.wgrad_fp8:
+        # dz arrives in the activation dtype: the dgrad takes its FP8 copy, the weight gradient dz.
+        dx, n, dgamma = s.gemm_rms_bwd(_quantize(s, f, layer, Operand.qkv_grad, dz), wq, x, gamma, rstd, zdz,
+                                       dx_residual)
+        dx_operand = dx if dx_fp8 is None else s.quantize(dx, dx_fp8)
+        return dx, dx_operand, dgamma, s.wgrad(dz, n)
     dx, dx_operand, n, dgamma = s.gemm_rms_bwd_fp8(dz, wq, x, gamma, rstd, zdz, dx_residual,
                                                    n_fp8=f.to(layer, Operand.qkv_wgrad_in), dx_fp8=dx_fp8)
     _record(f, layer, Operand.qkv_wgrad_in, n)

@@ -156,4 +156,4 @@ def fp8_recipe(block: BlockConfig) -> Fp8Recipe | None:
     if block.precision != Precision.fp8:
         return None
     return Fp8Recipe(history_len=block.fp8_history_len, margin=block.fp8_margin,
-                     grad_dtype=GRAD_FORMATS[str(block.fp8_grad_format)])
+                     grad_dtype=GRAD_FORMATS[str(block.fp8_grad_format)], wgrad_fp8=block.fp8_wgrad)

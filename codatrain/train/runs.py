@@ -29,6 +29,8 @@ VARIANTS: dict[str, list[str]] = {
     "coda": ["block=coda"],
     "coda_compile": ["block=coda", "train.compile=true"],
     "coda_reference": ["block=coda", "block.backend=reference"],
+    # CODA with FP8 layer GEMMs (e4m3/e5m2, per-tensor delayed scaling; head and attention in bf16).
+    "coda_fp8": ["block=coda", "block.precision=fp8"],
     # The FP8 peer: the eager model, torch.compile and torchao's float8 training (LM head in bf16).
     "compile_fp8_tensorwise": ["block=eager", "train.compile=true", "train.float8=tensorwise"],
     "compile_fp8_rowwise": ["block=eager", "train.compile=true", "train.float8=rowwise"],

@@ -81,12 +81,49 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def check(name: str, cute: torch.Tensor, bf16_ref: torch.Tensor, fp32_ref: torch.Tensor) -> None:
+def check(name: str, cute: torch.Tensor, bf16_ref: torch.Tensor, fp32_ref: torch.Tensor,
+          floor: float = FLOOR) -> None:
     assert cute.shape == fp32_ref.shape, f"{name}: shape {tuple(cute.shape)} != {tuple(fp32_ref.shape)}"
     assert torch.isfinite(cute).all(), f"{name}: non-finite values (unwritten or overflowed)"
     err, bf16_err = rel_err(cute, fp32_ref), rel_err(bf16_ref, fp32_ref)
     print(f"{name}: cute {err:.3e}  reference-bf16 {bf16_err:.3e}")
-    assert err <= max(2 * bf16_err, FLOOR), f"{name}: error {err:.3e} > 2 × bf16 reference {bf16_err:.3e}"
+    assert err <= max(2 * bf16_err, floor), f"{name}: error {err:.3e} > 2 × bf16 reference {bf16_err:.3e}"
+
+
+# ---- FP8 operands (block.precision=fp8) ------------------------------------------------------------
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+# The error floor of an fp32 statistic reduced from an FP8 GEMM's accumulator (dγ, dSwiGLU's zdz).
+# Hopper's FP8 tensor cores keep about 14 bits of each k-block's sum before the mainloop promotes
+# it to fp32 (DeepSeek-V3 §3.3.2), so such statistics carry ~1e-4 relative error (measured
+# 1.0–1.1e-4 at both test shapes), which the reference on the same FP8 operands (fp32 sums of the
+# exact products) shows neither in fp32 nor in bf16.
+FP8_ACCUMULATOR_FLOOR = 2**-12
+
+
+def saturate(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x·scale in fp32, clamped to the format's range, rounded to it (torch's cast is not saturating)."""
+    limit = torch.finfo(dtype).max
+    return (x.float() * scale).clamp(-limit, limit).to(dtype)
+
+
+def to_fp8(t: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
+    """t as an FP8 operand scaled to its own amax: (data, 0-d fp32 scale)."""
+    scale = torch.finfo(dtype).max / t.float().abs().amax()
+    return saturate(t, scale, dtype), scale
+
+
+def dequantize(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return data.float() / scale
+
+
+def check_fp8(name: str, out: torch.Tensor, scale: torch.Tensor, truth: torch.Tensor) -> None:
+    """FP8 `out` (scale `scale`) against the fp32 `truth`, within twice FP8's own error."""
+    assert out.dtype in (E4M3, E5M2) and out.shape == truth.shape, f"{name}: {out.dtype} {tuple(out.shape)}"
+    assert not torch.isnan(out.float()).any(), f"{name}: NaN (unwritten)"
+    err = rel_err(dequantize(out, scale), truth)
+    own = rel_err(dequantize(saturate(truth, scale, out.dtype), scale), truth)
+    print(f"{name}: cute {err:.3e}  FP8's own {own:.3e}")
+    assert err <= 2 * own, f"{name}: error {err:.3e} > 2 × FP8's own {own:.3e}"
 
 
 def run_both(ref, method: str, *args, **kwargs):

@@ -19,16 +19,21 @@ pytest.importorskip("quack")
 
 from cute_check import (  # noqa: E402
     DEVICE,
+    E4M3,
+    E5M2,
     ROPES,
     SHAPES,
     Shape,
     check,
+    check_fp8,
+    dequantize,
     gamma,
     positions,
     randn,
-    rel_err,
     rstd_of,
+    saturate,
     staged,
+    to_fp8,
 )
 
 from codatrain.kernels.cute import fp8_stages, quantize  # noqa: E402
@@ -36,8 +41,6 @@ from codatrain.kernels.cute.gemm_stages import rope_args  # noqa: E402
 from codatrain.kernels.stages import get_backend  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
 @pytest.fixture(params=SHAPES, ids=lambda s: s.name)
@@ -48,32 +51,6 @@ def shape(request) -> Shape:
 @pytest.fixture(scope="module")
 def ref():
     return get_backend("reference", DEVICE)
-
-
-def saturate(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x·scale in fp32, clamped to the format's range, rounded to it (torch's cast is not saturating)."""
-    limit = torch.finfo(dtype).max
-    return (x.float() * scale).clamp(-limit, limit).to(dtype)
-
-
-def to_fp8(t: torch.Tensor, dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
-    """t as an FP8 operand scaled to its own amax: (data, 0-d fp32 scale)."""
-    scale = torch.finfo(dtype).max / t.float().abs().amax()
-    return saturate(t, scale, dtype), scale
-
-
-def dequantize(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return data.float() / scale
-
-
-def check_fp8(name: str, out: torch.Tensor, scale: torch.Tensor, truth: torch.Tensor) -> None:
-    """FP8 `out` (scale `scale`) against the fp32 `truth`, within twice FP8's own error."""
-    assert out.dtype in (E4M3, E5M2) and out.shape == truth.shape, f"{name}: {out.dtype} {tuple(out.shape)}"
-    assert not torch.isnan(out.float()).any(), f"{name}: NaN (unwritten)"
-    err = rel_err(dequantize(out, scale), truth)
-    own = rel_err(dequantize(saturate(truth, scale, out.dtype), scale), truth)
-    print(f"{name}: cute {err:.3e}  FP8's own {own:.3e}")
-    assert err <= 2 * own, f"{name}: error {err:.3e} > 2 × FP8's own {own:.3e}"
 
 
 def nan_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

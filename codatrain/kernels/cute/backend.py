@@ -13,8 +13,19 @@ from __future__ import annotations
 
 import torch
 
-from codatrain.kernels.cute import entry, gemm_bwd_stages, gemm_stages, head, rowwise
+from codatrain.kernels.cute import (
+    entry,
+    fp8_bwd_stages,
+    fp8_stages,
+    gemm_bwd_stages,
+    gemm_stages,
+    head,
+    rowwise,
+)
 from codatrain.kernels.cute.common import empty, padded_width, rows_of_whole_vectors
+from codatrain.kernels.cute.fp8_bwd_stages import fp8_mm, k_major_t
+from codatrain.kernels.cute.quantize import quantize_fp8, quantize_to
+from codatrain.kernels.fp8 import Fp8Tensor, QuantizeTo, fp8_max, scale_from_amax
 from codatrain.kernels.stages import (
     IGNORE_INDEX,
     DSwigluOut,
@@ -22,6 +33,7 @@ from codatrain.kernels.stages import (
     HeadLossOut,
     LseOut,
     ResidualOut,
+    RmsBwdFp8Out,
     RmsBwdOut,
     Rope,
     RopeBwdOut,
@@ -42,6 +54,27 @@ def _check_activations(stage: str, *tensors: torch.Tensor) -> None:
             raise TypeError(f"cute {stage}: activations and weights must share one 16-bit dtype, got {got}")
 
 
+def _check_fp8(stage: str, *operands: Fp8Tensor) -> None:
+    for t in operands:
+        if not isinstance(t, Fp8Tensor):
+            raise TypeError(f"cute {stage}: an FP8 GEMM takes FP8 operands only, got {type(t).__name__}")
+        if t.data.dim() == 2 and (t.data.shape[-1] % 16 or t.data.shape[0] % 16):
+            raise ValueError(f"cute {stage}: FP8 operands move in 16-byte rows, in both orientations, so "
+                             f"both sizes must be multiples of 16 (got {tuple(t.data.shape)}; the tokens of "
+                             "a micro-batch, batch × sequence, and every layer width)")
+
+
+def _ab_inv_scale(a: Fp8Tensor, b: Fp8Tensor) -> torch.Tensor:
+    """1/(s_a·s_b), the factor an FP8 GEMM's epilogue multiplies its sum by (a 0-d device tensor)."""
+    return (a.scale * b.scale).reciprocal()
+
+
+def _maybe_quantize(x: torch.Tensor, to: QuantizeTo | None) -> torch.Tensor | Fp8Tensor:
+    # The stages build their outputs anew around this rather than `NamedTuple._replace`, which
+    # torch 2.11's dynamo cannot return from a compiled region.
+    return x if to is None else quantize_to(x, to)
+
+
 class CuteStages(StageBackend):
     """Every CODA stage as a Hopper kernel: CuTeDSL epilogues on QuACK's GEMM, row kernels, and
     cuBLAS for the plain dgrad/wgrad."""
@@ -58,6 +91,7 @@ class CuteStages(StageBackend):
         gamma: torch.Tensor,
         *,
         eps: float,
+        h_fp8: QuantizeTo | None = None,
     ) -> EntryOut:
         _check_activations("entry", embedding, gamma)
         if not (embedding.is_contiguous() and gamma.is_contiguous()):
@@ -66,28 +100,63 @@ class CuteStages(StageBackend):
         out = EntryOut(empty(m, d, like=embedding), empty(m, d, like=embedding),
                        empty(m, like=embedding, dtype=STAT))
         entry.entry(tokens.contiguous(), embedding, gamma, *out, eps)
-        return out
+        # Once per forward: h reaches FP8 through a quantize pass.
+        return EntryOut(out.x, _maybe_quantize(out.h, h_fp8), out.rstd)
 
     def gemm_residual_rms(
-        self, a: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor
+        self, a: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, gamma: torch.Tensor, *,
+        h_fp8: QuantizeTo | None = None,
     ) -> ResidualOut:
+        if isinstance(a, Fp8Tensor):
+            return self._fp8_gemm_residual_rms(a, weight, residual, gamma, h_fp8)
         _check_activations("gemm_residual_rms", a, weight, residual, gamma)
         # The partials follow the kernel's own column tile (the API allows any P).
         m, n = a.shape[0], weight.shape[0]
         tiles = gemm_stages.column_tiles(gemm_stages.residual_rms_stage(a.shape[1], n), n)
         out = ResidualOut(empty(m, n, like=a), empty(m, n, like=a), empty(m, tiles, like=a, dtype=STAT))
         gemm_stages.gemm_residual_rms(a, weight, residual, gamma, *out)
-        return out
+        return ResidualOut(out.x, _maybe_quantize(out.h, h_fp8), out.sq_partials)
+
+    def _fp8_gemm_residual_rms(self, a: Fp8Tensor, weight: Fp8Tensor, residual: torch.Tensor,
+                               gamma: torch.Tensor, h_fp8: QuantizeTo | None) -> ResidualOut:
+        _check_fp8("gemm_residual_rms", a, weight)
+        _check_activations("gemm_residual_rms", residual, gamma)
+        # With a delayed scale the epilogue writes h in FP8 itself; without one (the LM head's
+        # input, or current scaling in a run's first step) it writes h in the activation dtype.
+        direct = h_fp8 is not None and h_fp8.scale is not None
+        h_scale = h_fp8.scale if direct else torch.ones((), dtype=STAT, device=residual.device)
+        x, h, sq, amax = fp8_stages.fp8_gemm_residual_rms_outputs(
+            a.data, weight.data, residual, h_fp8.dtype if direct else residual.dtype)
+        fp8_stages.fp8_gemm_residual_rms(a.data, weight.data, _ab_inv_scale(a, weight), residual, gamma,
+                                         h_scale, x, h, sq, amax)
+        h_amax = amax.amax()
+        if direct:
+            return ResidualOut(x, Fp8Tensor(h, h_scale, residual.dtype, h_amax), sq)
+        if h_fp8 is not None:
+            # Current scaling: the epilogue's max |h| partials give the scale for one quantize pass.
+            scale = scale_from_amax(h_amax, fp8_max(h_fp8.dtype), h_fp8.margin)
+            h8, row_amax = (torch.empty_like(h, dtype=h_fp8.dtype),
+                            torch.empty(h.shape[0], dtype=STAT, device=h.device))
+            quantize_fp8(h, scale, h8, row_amax)
+            return ResidualOut(x, Fp8Tensor(h8, scale, residual.dtype, h_amax), sq)
+        return ResidualOut(x, h, sq)
 
     def rstd_from_partials(self, sq_partials: torch.Tensor, *, dim: int, eps: float) -> torch.Tensor:
         return gemm_stages.rstd_from_partials(sq_partials, dim=dim, eps=eps)
 
-    def gemm_rstd_swiglu(self, h: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> SwigluOut:
-        _check_activations("gemm_rstd_swiglu", h, weight)
+    def gemm_rstd_swiglu(self, h: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, *,
+                         y_fp8: QuantizeTo | None = None) -> SwigluOut:
         m, n = h.shape[0], weight.shape[0]
-        out = SwigluOut(empty(m, n, like=h), empty(m, n // 2, like=h))
-        gemm_stages.gemm_rstd_swiglu(h, weight, rstd, *out)
-        return out
+        if isinstance(h, Fp8Tensor):
+            _check_fp8("gemm_rstd_swiglu", h, weight)
+            out = SwigluOut(empty(m, n, like=rstd, dtype=h.dtype), empty(m, n // 2, like=rstd, dtype=h.dtype))
+            fp8_stages.fp8_gemm_rstd_swiglu(h.data, weight.data, _ab_inv_scale(h, weight), rstd, *out)
+        else:
+            _check_activations("gemm_rstd_swiglu", h, weight)
+            out = SwigluOut(empty(m, n, like=h), empty(m, n // 2, like=h))
+            gemm_stages.gemm_rstd_swiglu(h, weight, rstd, *out)
+        # QuACK stores the gated half-width output in 16 bits only on sm_90: y is quantized after.
+        return SwigluOut(out.preact, _maybe_quantize(out.y, y_fp8))
 
     def gemm_rstd_rope(
         self,
@@ -101,6 +170,14 @@ class CuteStages(StageBackend):
         rope: Rope,
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if isinstance(h, Fp8Tensor):
+            _check_fp8("gemm_rstd_rope", h, weight)
+            if bias is not None:
+                raise ValueError("cute gemm_rstd_rope: FP8 operands take no QKV bias")
+            qkv = empty(h.shape[0], weight.shape[0], like=rstd, dtype=h.dtype)
+            fp8_stages.fp8_gemm_rstd_rope(h.data, weight.data, _ab_inv_scale(h, weight), rstd, positions, qkv,
+                                          head_dim, rope_heads, *gemm_stages.rope_args(rope))
+            return qkv
         _check_activations("gemm_rstd_rope", h, weight, *([] if bias is None else [bias]))
         qkv = empty(h.shape[0], weight.shape[0], like=h)
         gemm_stages.gemm_rstd_rope(
@@ -168,6 +245,7 @@ class CuteStages(StageBackend):
         rope_heads: int,
         rope: Rope,
         bias: torch.Tensor | None = None,
+        dz_fp8: QuantizeTo | None = None,
     ) -> RopeBwdOut:
         _check_activations("rope_bwd", dqkv, qkv, *([] if bias is None else [bias]))
         out = RopeBwdOut(empty(*dqkv.shape, like=dqkv), empty(dqkv.shape[0], like=dqkv, dtype=STAT))
@@ -175,7 +253,7 @@ class CuteStages(StageBackend):
             dqkv.contiguous(), qkv.contiguous(), positions, bias, *out, head_dim, rope_heads,
             *gemm_stages.rope_args(rope),
         )
-        return out
+        return RopeBwdOut(_maybe_quantize(out.dz, dz_fp8), out.zdz)
 
     def bias_grad(self, dz: torch.Tensor) -> torch.Tensor:
         # One column-sum pass over dz (M × N_qkv), in fp32.
@@ -198,6 +276,8 @@ class CuteStages(StageBackend):
         residual_grad: torch.Tensor | None = None,
     ) -> RmsBwdOut:
         extra = () if residual_grad is None else (residual_grad,)
+        if isinstance(dz, Fp8Tensor):
+            return self._fp8_rms_bwd(dz, weight, x, gamma, rstd, zdz, residual_grad)
         _check_activations("gemm_rms_bwd", dz, weight, x, gamma, *extra)
         # dz is the dgrad's K-major A operand: its rows must be 16-byte TMA rows (the full-logits
         # head's dlogits over a vocabulary that is not a multiple of 8 are not).
@@ -209,26 +289,77 @@ class CuteStages(StageBackend):
         gemm_bwd_stages.gemm_rms_bwd(dz, weight, x, gamma, rstd, zdz, residual_grad, *out)
         return out
 
-    def gemm_dswiglu(self, dout: torch.Tensor, weight: torch.Tensor, preact: torch.Tensor) -> DSwigluOut:
-        _check_activations("gemm_dswiglu", dout, weight, preact)
+    def _fp8_rms_bwd(self, dz: Fp8Tensor, weight: Fp8Tensor, x: torch.Tensor, gamma: torch.Tensor,
+                     rstd: torch.Tensor, zdz: torch.Tensor, residual_grad: torch.Tensor | None) -> RmsBwdOut:
+        _check_fp8("gemm_rms_bwd", dz, weight)
+        _check_activations("gemm_rms_bwd", x, gamma, *(() if residual_grad is None else (residual_grad,)))
+        m, d = x.shape
+        out = RmsBwdOut(empty(m, d, like=x), empty(m, d, like=x),
+                        empty(gemm_bwd_stages.rms_bwd_row_tiles(m, "fp8_rms_bwd"), d, like=x, dtype=STAT))
+        fp8_bwd_stages.fp8_gemm_rms_bwd(dz.data, k_major_t(weight.data), _ab_inv_scale(dz, weight), x, gamma,
+                                        rstd, zdz, residual_grad, *out)
+        return out
+
+    def gemm_rms_bwd_fp8(
+        self,
+        dz: Fp8Tensor,
+        weight: Fp8Tensor,
+        x: torch.Tensor,
+        gamma: torch.Tensor,
+        rstd: torch.Tensor,
+        zdz: torch.Tensor,
+        residual_grad: torch.Tensor | None = None,
+        *,
+        n_fp8: QuantizeTo,
+        dx_fp8: QuantizeTo | None = None,
+    ) -> RmsBwdFp8Out:
+        # dx and n leave the epilogue in the activation dtype: the wgrad reads n token-contiguous,
+        # and dx feeds the residual path as well as the next dgrad.
+        dx, n, dgamma_partials = self._fp8_rms_bwd(dz, weight, x, gamma, rstd, zdz, residual_grad)
+        return RmsBwdFp8Out(dx, _maybe_quantize(dx, dx_fp8), quantize_to(n, n_fp8), dgamma_partials)
+
+    def gemm_dswiglu(self, dout: torch.Tensor, weight: torch.Tensor, preact: torch.Tensor, *,
+                     dpreact_fp8: QuantizeTo | None = None, y_fp8: QuantizeTo | None = None) -> DSwigluOut:
         m, f2 = preact.shape
         out = DSwigluOut(empty(m, f2, like=preact), empty(m, f2 // 2, like=preact),
                          empty(m, like=preact, dtype=STAT))
-        gemm_bwd_stages.gemm_dswiglu(dout, weight, preact, *out)
-        return out
+        if isinstance(dout, Fp8Tensor):
+            _check_fp8("gemm_dswiglu", dout, weight)
+            _check_activations("gemm_dswiglu", preact)
+            fp8_bwd_stages.fp8_gemm_dswiglu(dout.data, k_major_t(weight.data), _ab_inv_scale(dout, weight),
+                                            preact, *out)
+        else:
+            _check_activations("gemm_dswiglu", dout, weight, preact)
+            gemm_bwd_stages.gemm_dswiglu(dout, weight, preact, *out)
+        return DSwigluOut(_maybe_quantize(out.dpreact, dpreact_fp8), _maybe_quantize(out.y, y_fp8), out.zdz)
 
     def dgrad(self, dz: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if isinstance(dz, Fp8Tensor):
+            _check_fp8("dgrad", dz, weight)
+            return fp8_mm(dz.data, dz.scale.reciprocal(), k_major_t(weight.data), weight.scale.reciprocal(),
+                          dz.dtype)
         _check_activations("dgrad", dz, weight)
         return gemm_bwd_stages.dgrad(dz, weight)
 
     def wgrad(
         self, dz: torch.Tensor, a: torch.Tensor, *, accumulate_into: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if isinstance(dz, Fp8Tensor):
+            if accumulate_into is not None:
+                raise ValueError("cute wgrad: FP8 operands do not accumulate into a sum")
+            _check_fp8("wgrad", dz, a)
+            # Both operands contract over the tokens: token-contiguous copies of each.
+            return fp8_mm(k_major_t(dz.data), dz.scale.reciprocal(), k_major_t(a.data), a.scale.reciprocal(),
+                          dz.dtype)
         _check_activations("wgrad", dz, a)
         if accumulate_into is None:
             return gemm_bwd_stages.wgrad(dz, a)
         gemm_bwd_stages.wgrad_accumulate(dz, a, accumulate_into)
         return accumulate_into
+
+    def quantize(self, x: torch.Tensor, to: QuantizeTo) -> Fp8Tensor:
+        _check_activations("quantize", x)
+        return quantize_to(x.contiguous(), to)
 
     def entry_bwd(self, dx: torch.Tensor, tokens: torch.Tensor, *, num_embeddings: int) -> torch.Tensor:
         if dx.dtype not in _ACTIVATION_DTYPES:

@@ -32,7 +32,8 @@ _PINGPONG_192x128 = sm90_config(192, 128, pingpong=True, cluster_m=1, cluster_n=
 _PINGPONG_128x128 = sm90_config(128, 128, pingpong=True, cluster_m=1, cluster_n=2)
 # FP8 operands (fp8_stages.py): QuACK adds the WGMMA accumulator into an fp32 copy after every
 # k-tile, two accumulators per thread, which pingpong tiles (one warpgroup per tile) spill.
-_COOPERATIVE_128x128 = sm90_config(128, 128, pingpong=False, cluster_m=2, cluster_n=1)
+_COOPERATIVE_128x128 = sm90_config(128, 128, pingpong=False, cluster_m=1, cluster_n=2)
+_COOPERATIVE_128x192 = sm90_config(128, 192, pingpong=False, cluster_m=1, cluster_n=2)
 
 _CONFIGS: dict[str, GemmConfig] = {
     # forward (gemm_stages.py)
@@ -50,10 +51,13 @@ _CONFIGS: dict[str, GemmConfig] = {
     # dSwiGLU's epilogue reads the pre-activation and writes two tensors per output element of a
     # short (K = d) mainloop: 128×128 tiles hide that traffic behind the next tile's mainloop.
     "dswiglu": _PINGPONG_128x128,
-    # FP8 forward (fp8_stages.py)
+    # FP8 forward (fp8_stages.py), from the 8B-width sweep (docs/benchmarks.md, "FP8 forward stages")
     "fp8_residual_rms": _COOPERATIVE_128x128,  # F1 and F3
-    "fp8_rstd_swiglu": _COOPERATIVE_128x128,  # F2
-    "fp8_rstd_rope": _COOPERATIVE_128x128,  # F4
+    "fp8_rstd_swiglu": _COOPERATIVE_128x192,  # F2
+    "fp8_rstd_rope": _COOPERATIVE_128x192,  # F4
+    # FP8 backward (fp8_bwd_stages.py): not swept yet, the forward's cooperative 128×128
+    "fp8_rms_bwd": _COOPERATIVE_128x128,  # norm backward in the gate/up and QKV dgrads
+    "fp8_dswiglu": _COOPERATIVE_128x128,  # dSwiGLU in the down-projection's dgrad
 }
 _overrides: dict[str, GemmConfig] = {}
 

@@ -25,9 +25,9 @@ from codatrain.kernels.cute.epilogues import rms_bwd_epi, rms_bwd_residual_epi
 # ---- RMSNorm backward in the consumer's dgrad ----------------------------------------------------
 
 
-def rms_bwd_row_tiles(m: int) -> int:
-    """Row tiles of the RMSNorm backward's GEMM over m rows (its dγ partials)."""
-    cfg = gemm_config("rms_bwd")
+def rms_bwd_row_tiles(m: int, stage: str = "rms_bwd") -> int:
+    """Row tiles of the RMSNorm backward's GEMM (config key `stage`) over m rows (its dγ partials)."""
+    cfg = gemm_config(stage)
     tile_m = cta_tile_shape_m(cfg.tile_m, cfg.cluster_m, cfg.device_capacity)
     return (m + tile_m - 1) // tile_m
 

@@ -7,7 +7,7 @@ a version bump fails here, at import, with an ImportError that names the pin and
 installed. `tests/test_layering.py` checks that no other cute module imports a private name.
 
 - RoPE's sine and cosine in turns (QuACK's rotary epilogue), FA4's backward entry point, the
-  implementation behind QuACK's RMSNorm-backward op, torch's FakeTensorMode.
+  implementation behind QuACK's RMSNorm-backward op, torch's FakeTensorMode and FP8 GEMM.
 - `compile_only`: compiling for a Hopper GPU that is not there, by patching QuACK's launch and
   cluster-count functions, every `jit_cache` compile function's launcher and its
   `gemm_add_inplace` op; `skipping_lce_glue`: QuACK's linear cross-entropy without its Triton glue.
@@ -71,6 +71,8 @@ flash_attn_bwd = private_name("flash_attn.cute.interface", "_flash_attn_bwd", FA
 # its fake, which compiles nothing).
 rmsnorm_bwd_impl = private_name("quack.rmsnorm", "_rmsnorm_bwd_f", QUACK)._init_fn
 FakeTensorMode = private_name("torch._subclasses.fake_tensor", "FakeTensorMode", "torch")
+# cuBLAS's FP8 GEMM with per-tensor (or per-row) scales: torch has no public FP8 matmul.
+scaled_mm = private_name("torch", "_scaled_mm", "torch")
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ from quack.reduce import row_reduce
 from torch import Tensor
 
 from codatrain.kernels.cute.common import RowTiling, copy_masked
+from codatrain.kernels.fp8 import Fp8Tensor, QuantizeTo, fp8_max, scale_from_amax
 
 _MAX_THREADS = 256
 
@@ -108,3 +109,22 @@ def quantize_fp8_outputs(x: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Ten
     """Allocated outputs (out, row_amax) of `quantize_fp8` for x."""
     return (torch.empty(x.shape, dtype=fp8_dtype, device=x.device),
             torch.empty(x.shape[0], dtype=torch.float32, device=x.device))
+
+
+def quantize_to(x: Tensor, to: QuantizeTo, dtype: torch.dtype | None = None) -> Fp8Tensor:
+    """x (any shape, its last dim contiguous rows) as the `Fp8Tensor` `to` asks for, standing for
+    `dtype` (default x's), with the amax of its values (`codatrain.kernels.fp8.quantize`'s rule).
+
+    A delayed scale is known before the pass, so the pass also yields the amax (its row maxima);
+    current scaling (`to.scale` None: weights, and a run's first step) reads x once more first."""
+    rows = x.reshape(-1, x.shape[-1])
+    out, row_amax = quantize_fp8_outputs(rows, to.dtype)
+    if to.scale is None:
+        amax = rows.abs().amax().float()
+        scale = scale_from_amax(amax, fp8_max(to.dtype), to.margin)
+        quantize_fp8(rows, scale, out, row_amax)
+    else:
+        scale = to.scale
+        quantize_fp8(rows, scale, out, row_amax)
+        amax = row_amax.amax()
+    return Fp8Tensor(out.view(x.shape), scale, dtype or x.dtype, amax)

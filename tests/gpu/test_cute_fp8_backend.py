@@ -1,0 +1,222 @@
+"""The cute stage backend with FP8 operands (block.precision=fp8), stage by stage, against the
+reference stages given the same FP8 operands, on an sm_90 GPU: the forward producers' FP8 outputs
+(delayed and current scaling), and every backward stage.
+
+Criteria (as test_cute_fp8.py): outputs in 16 bits within twice the error of the reference stage
+in bf16 against the reference stage in fp32 (both on the same FP8 operands, `cute_check.check`);
+FP8 outputs, dequantized, within twice FP8's own error against the fp32 values (`check_fp8`); an
+FP8 output's amax within bf16's rounding of the fp32 truth's (the cute producers take it from
+their 16-bit values).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+    pytest.skip("the cute kernels need an sm_90 GPU", allow_module_level=True)
+pytest.importorskip("quack")
+
+from cute_check import (  # noqa: E402
+    DEVICE,
+    E4M3,
+    E5M2,
+    FP8_ACCUMULATOR_FLOOR,
+    ROPES,
+    Shape,
+    check,
+    check_fp8,
+    gamma,
+    positions,
+    randn,
+    rstd_of,
+    staged,
+)
+
+from codatrain.kernels import fp8  # noqa: E402
+from codatrain.kernels.fp8 import Fp8Tensor, QuantizeTo  # noqa: E402
+from codatrain.kernels.stages import get_backend  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+# FP8 operands are read in both orientations, in 16-byte rows: every size a multiple of 16.
+FP8_SHAPES = [
+    Shape("llama3_8b", 8192, 4096, 4096, 32, 8, 128, 14336, 128256),
+    Shape("ragged16", 1008, 504, 1024, 8, 2, 128, 2816, 50264),
+]
+SCALINGS = ["delayed", "current"]
+
+
+@pytest.fixture(params=FP8_SHAPES, ids=lambda s: s.name)
+def shape(request) -> Shape:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return get_backend("reference", DEVICE)
+
+
+@pytest.fixture(scope="module")
+def cute():
+    return get_backend("cute", DEVICE)
+
+
+def operand(t: torch.Tensor, dtype: torch.dtype = E4M3) -> Fp8Tensor:
+    """t as an FP8 operand standing for bf16 (current scaling, as the model quantizes weights)."""
+    return fp8.quantize(t, QuantizeTo(dtype, None))
+
+
+def as_fp32(t: Fp8Tensor) -> Fp8Tensor:
+    """The same FP8 operand standing for fp32: the reference stage then computes the truth."""
+    return t._replace(dtype=torch.float32)
+
+
+def asked(dtype: torch.dtype, truth: torch.Tensor, scaling: str) -> QuantizeTo:
+    """What a producer is asked to write: a delayed scale with some headroom over the truth's amax,
+    or current scaling."""
+    if scaling == "current":
+        return QuantizeTo(dtype, None)
+    return QuantizeTo(dtype, torch.finfo(dtype).max / (truth.abs().amax().float() * 1.25))
+
+
+def check_operand(name: str, out: Fp8Tensor, truth: torch.Tensor, to: QuantizeTo) -> None:
+    """An FP8 output: its values, its scale (the one asked for, or the current one) and its amax."""
+    assert isinstance(out, Fp8Tensor) and out.data.dtype == to.dtype, f"{name}: {type(out).__name__}"
+    check_fp8(name, out.data, out.scale, truth)
+    amax = truth.abs().amax().float()
+    torch.testing.assert_close(out.amax, amax, rtol=2**-7, atol=0)
+    if to.scale is not None:
+        assert out.scale is to.scale or torch.equal(out.scale, to.scale), f"{name}: scale not the one given"
+    else:
+        torch.testing.assert_close(out.scale, torch.finfo(to.dtype).max / out.amax, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_quantize_stage(cute, shape, scaling, use_compile):
+    x = randn(shape.tokens, shape.dim)
+    to = asked(E4M3, x.float(), scaling)
+    out = staged(lambda x: cute.quantize(x, to), use_compile)(x)
+    expected = fp8.quantize(x, to)
+    assert torch.equal(out.data.view(torch.uint8), expected.data.view(torch.uint8))
+    assert torch.equal(out.scale, expected.scale) and torch.equal(out.amax, expected.amax)
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_entry_writes_h_in_fp8(ref, cute, shape, scaling, use_compile):
+    tokens = torch.randint(0, 1000, (shape.tokens,), device=DEVICE)
+    embedding, g = randn(1000, shape.dim), gamma(shape.dim)
+    truth = ref.entry(tokens, embedding.float(), g.float(), eps=1e-5)
+    to = asked(E4M3, truth.h, scaling)
+    out = staged(lambda *a: cute.entry(*a, eps=1e-5, h_fp8=to), use_compile)(tokens, embedding, g)
+    check_operand("h", out.h, truth.h, to)
+
+
+@pytest.mark.parametrize("scaling", [*SCALINGS, "none"])
+@pytest.mark.parametrize("gemm", ["out_proj", "down_proj"])
+def test_gemm_residual_rms_stage(ref, cute, shape, gemm, scaling, use_compile):
+    k = shape.n_heads * shape.head_dim if gemm == "out_proj" else shape.ffn_dim
+    a, w = operand(randn(shape.tokens, k)), operand(randn(shape.dim, k, scale=k**-0.5))
+    residual, g = randn(shape.tokens, shape.dim), gamma(shape.dim)
+    bf16 = ref.gemm_residual_rms(a, w, residual, g)
+    fp32 = ref.gemm_residual_rms(as_fp32(a), as_fp32(w), residual.float(), g.float())
+    to = None if scaling == "none" else asked(E4M3, fp32.h, scaling)
+    fp8_arg = {} if to is None else {"h_fp8": to}
+    out = staged(lambda *args: cute.gemm_residual_rms(*args, **fp8_arg), use_compile)(a, w, residual, g)
+    check("x", out.x, bf16.x, fp32.x)
+    if to is None:
+        check("h", out.h, bf16.h, fp32.h)
+    else:
+        check_operand("h", out.h, fp32.h, to)
+    check("sum(sq_partials)", out.sq_partials.sum(-1), bf16.sq_partials.sum(-1), fp32.sq_partials.sum(-1))
+
+
+def test_gemm_rstd_swiglu_stage(ref, cute, shape, use_compile):
+    h, w = operand(randn(shape.tokens, shape.dim)), operand(randn(2 * shape.ffn_dim, shape.dim))
+    rstd = rstd_of(shape.tokens)
+    bf16 = ref.gemm_rstd_swiglu(h, w, rstd)
+    fp32 = ref.gemm_rstd_swiglu(as_fp32(h), as_fp32(w), rstd)
+    to = asked(E4M3, fp32.y, "delayed")
+    out = staged(lambda *args: cute.gemm_rstd_swiglu(*args, y_fp8=to), use_compile)(h, w, rstd)
+    check("preact", out.preact, bf16.preact, fp32.preact)
+    check_operand("y", out.y, fp32.y, to)
+
+
+def test_gemm_rstd_rope_stage(ref, cute, shape, use_compile):
+    h, w = operand(randn(shape.tokens, shape.dim)), operand(randn(shape.qkv_dim, shape.dim))
+    rstd, pos = rstd_of(shape.tokens), positions(shape)
+    kwargs = dict(head_dim=shape.head_dim, rope_heads=shape.n_heads + shape.n_kv_heads, rope=ROPES["llama3"])
+    bf16 = ref.gemm_rstd_rope(h, w, rstd, pos, **kwargs)
+    fp32 = ref.gemm_rstd_rope(as_fp32(h), as_fp32(w), rstd, pos, **kwargs)
+    check("qkv", staged(lambda *args: cute.gemm_rstd_rope(*args, **kwargs), use_compile)(h, w, rstd, pos),
+          bf16, fp32)
+
+
+@pytest.mark.parametrize("scaling", SCALINGS)
+def test_rope_bwd_writes_dz_in_fp8(ref, cute, shape, scaling, use_compile):
+    dqkv, qkv = randn(shape.tokens, shape.qkv_dim), randn(shape.tokens, shape.qkv_dim)
+    pos = positions(shape)
+    kwargs = dict(head_dim=shape.head_dim, rope_heads=shape.n_heads + shape.n_kv_heads, rope=ROPES["llama3"])
+    bf16 = ref.rope_bwd(dqkv, qkv, pos, **kwargs)
+    fp32 = ref.rope_bwd(dqkv.float(), qkv.float(), pos, **kwargs)
+    to = asked(E5M2, fp32.dz, scaling)
+    out = staged(lambda *args: cute.rope_bwd(*args, **kwargs, dz_fp8=to), use_compile)(dqkv, qkv, pos)
+    check_operand("dz", out.dz, fp32.dz, to)
+    check("zdz", out.zdz, bf16.zdz, fp32.zdz)
+
+
+@pytest.mark.parametrize("residual", [True, False], ids=["residual", "no_residual"])
+@pytest.mark.parametrize("consumer", ["gate_up", "qkv"])
+def test_gemm_rms_bwd_fp8_stage(ref, cute, shape, consumer, residual, use_compile):
+    n_out = 2 * shape.ffn_dim if consumer == "gate_up" else shape.qkv_dim
+    dz = operand(randn(shape.tokens, n_out), E5M2)
+    w = operand(randn(n_out, shape.dim, scale=n_out**-0.5))
+    x, g, rstd = randn(shape.tokens, shape.dim), gamma(shape.dim), rstd_of(shape.tokens)
+    zdz = torch.randn(shape.tokens, device=DEVICE) * 10
+    grad = randn(shape.tokens, shape.dim) if residual else None
+    bf16 = ref.gemm_rms_bwd(dz, w, x, g, rstd, zdz, grad)
+    fp32 = ref.gemm_rms_bwd(as_fp32(dz), as_fp32(w), x.float(), g.float(), rstd, zdz,
+                            None if grad is None else grad.float())
+    n_to, dx_to = asked(E4M3, fp32.n, "delayed"), asked(E5M2, fp32.dx, "delayed")
+
+    def run(dz, w, x, g, rstd, zdz, grad):
+        return cute.gemm_rms_bwd_fp8(dz, w, x, g, rstd, zdz, grad, n_fp8=n_to, dx_fp8=dx_to)
+
+    out = staged(run, use_compile)(dz, w, x, g, rstd, zdz, grad)
+    check("dx", out.dx, bf16.dx, fp32.dx)
+    check_operand("dx_fp8", out.dx_fp8, fp32.dx, dx_to)
+    check_operand("n", out.n, fp32.n, n_to)
+    check("dgamma", out.dgamma_partials.sum(0), bf16.dgamma_partials.sum(0), fp32.dgamma_partials.sum(0),
+          floor=FP8_ACCUMULATOR_FLOOR)
+
+
+def test_gemm_dswiglu_fp8_stage(ref, cute, shape, use_compile):
+    dout = operand(randn(shape.tokens, shape.dim), E5M2)
+    w = operand(randn(shape.dim, shape.ffn_dim, scale=shape.ffn_dim**-0.5))
+    preact = randn(shape.tokens, 2 * shape.ffn_dim)
+    bf16 = ref.gemm_dswiglu(dout, w, preact)
+    fp32 = ref.gemm_dswiglu(as_fp32(dout), as_fp32(w), preact.float())
+    dpre_to, y_to = asked(E5M2, fp32.dpreact, "delayed"), asked(E4M3, fp32.y, "delayed")
+
+    def run(dout, w, preact):
+        return cute.gemm_dswiglu(dout, w, preact, dpreact_fp8=dpre_to, y_fp8=y_to)
+
+    out = staged(run, use_compile)(dout, w, preact)
+    check_operand("dpreact", out.dpreact, fp32.dpreact, dpre_to)
+    check_operand("y", out.y, fp32.y, y_to)
+    check("zdz", out.zdz, bf16.zdz, fp32.zdz, floor=FP8_ACCUMULATOR_FLOOR)
+
+
+@pytest.mark.parametrize("gemm", ["dgrad", "wgrad"])
+def test_plain_fp8_gemms(ref, cute, shape, gemm, use_compile):
+    # The out-projection's: dgrad dz·W_o and wgrad dzᵀ·o, dz in e5m2, W_o and o in e4m3.
+    width = shape.n_heads * shape.head_dim
+    dz = operand(randn(shape.tokens, shape.dim), E5M2)
+    other = (operand(randn(shape.dim, width, scale=width**-0.5)) if gemm == "dgrad"
+             else operand(randn(shape.tokens, width)))
+    bf16 = getattr(ref, gemm)(dz, other)
+    fp32 = getattr(ref, gemm)(as_fp32(dz), as_fp32(other))
+    out = staged(getattr(cute, gemm), use_compile)(dz, other)
+    assert out.dtype == torch.bfloat16
+    check(gemm, out, bf16, fp32)
