@@ -44,8 +44,9 @@ FP8 (block.precision=fp8; the numerics are `codatrain.kernels.fp8`'s)
   `gemm_rstd_swiglu` (y), `rope_bwd` (dz), `gemm_rms_bwd_fp8` (n, and dx beside its
   activation-dtype copy), `gemm_dswiglu` (dpreact, y); `quantize` casts what no stage produces
   (attention's output, the LM head's dx, weights).
-- Without ``*_fp8`` arguments and FP8 operands every stage is exactly the bf16 stage. Only the
-  reference stages have the FP8 forms so far.
+- Without ``*_fp8`` arguments and FP8 operands every stage is exactly the bf16 stage. Both
+  backends have the FP8 forms; the cute stages take FP8 operands 16-byte aligned in both
+  orientations (every size a multiple of 16).
 
 Registering a backend
 ---------------------
@@ -459,7 +460,7 @@ class StageBackend(ABC):
 
     def bias_grad(self, dz: torch.Tensor) -> torch.Tensor:
         """The gradient (N,) of a bias added to a GEMM output whose gradient is dz (M, N): Σ_m dz,
-        summed in the stat dtype (Qwen2's QKV bias). Only the reference stages have it so far."""
+        summed in the stat dtype (Qwen2's QKV bias)."""
         raise NotImplementedError(f"stage backend {self.name!r} has no bias epilogue")
 
     @abstractmethod
@@ -505,8 +506,7 @@ class StageBackend(ABC):
     ) -> RmsBwdFp8Out:
         """`gemm_rms_bwd` on FP8 operands, writing n as an `Fp8Tensor` (the consumer's wgrad
         operand) and, with dx_fp8, dx twice: in the activation dtype (the residual path, the
-        embedding) and as an `Fp8Tensor` (the operand of the GEMMs whose output gradient it is).
-        Only the reference stages have it so far."""
+        embedding) and as an `Fp8Tensor` (the operand of the GEMMs whose output gradient it is)."""
         raise NotImplementedError(f"stage backend {self.name!r} has no FP8 stages")
 
     @abstractmethod
@@ -543,8 +543,7 @@ class StageBackend(ABC):
     def quantize(self, x: torch.Tensor, to: QuantizeTo) -> Fp8Tensor:
         """x (any shape, activation dtype) as an `Fp8Tensor` standing for x's dtype, with its amax:
         the cast of a GEMM operand no stage epilogue writes (attention's output, the LM head's dx)
-        and of the weights (current scaling, once per optimizer step). Only the reference stages
-        have it so far."""
+        and of the weights (current scaling, once per optimizer step)."""
         raise NotImplementedError(f"stage backend {self.name!r} has no FP8 stages")
 
     @abstractmethod
