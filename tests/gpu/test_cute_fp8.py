@@ -78,6 +78,36 @@ def test_quantize_fp8(shape, fmt, use_compile):
     torch.testing.assert_close(row_amax, x.float().abs().amax(1), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("rows_out", [True, False], ids=["both", "transposed_only"])
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_quantize_transpose_fp8(shape, fmt, rows_out, use_compile):
+    """Both orientations bit-equal to torch's saturating cast (and its transpose), the per-tile
+    amaxes exact: the token-contiguous FP8 copies a weight gradient reads, and transposed weights."""
+    x = randn(shape.tokens, shape.ffn_dim)
+    x[::97, ::13] *= 40
+    scale = torch.finfo(fmt).max / (x.float().abs().amax() / 8)
+    rows, cols = x.shape
+    out = torch.empty(rows, cols, dtype=fmt, device=DEVICE) if rows_out else None
+    out_t = torch.empty(cols, rows, dtype=fmt, device=DEVICE)
+    tile_amax = torch.full(quantize.transpose_tiles(rows, cols), float("nan"), device=DEVICE)
+
+    def run(x, scale, out, out_t, tile_amax):
+        quantize.quantize_transpose_fp8(x, scale, out, out_t, tile_amax)
+        return out, out_t, tile_amax
+
+    out, out_t, tile_amax = staged(run, use_compile)(x, scale, out, out_t, tile_amax)
+    expected = saturate(x, scale, fmt)
+    mismatch = (out_t.view(torch.uint8) != expected.t().view(torch.uint8)).sum().item()
+    assert mismatch == 0, f"transposed: {mismatch} of {out_t.numel()} values differ from torch's cast"
+    if rows_out:
+        assert torch.equal(out.view(torch.uint8), expected.view(torch.uint8))
+    tiles_r, tiles_c = tile_amax.shape
+    padded = torch.zeros(tiles_r * 32, tiles_c * 64, device=DEVICE)
+    padded[:rows, :cols] = x.float().abs()
+    expected_amax = padded.view(tiles_r, 32, tiles_c, 64).amax(dim=(1, 3))
+    torch.testing.assert_close(tile_amax, expected_amax, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("gemm", ["out_proj", "down_proj"])
 def test_fp8_gemm_residual_rms(ref, shape, gemm, use_compile):
     k = shape.n_heads * shape.head_dim if gemm == "out_proj" else shape.ffn_dim
