@@ -518,16 +518,16 @@ def ablate(x: Inputs, device: torch.device, stages: list[str], warmup: int, iter
 
 
 def fp8_fns(s: StageBackend, x: Inputs) -> dict[str, dict[str, Callable]]:
-    """Per FP8 forward stage (block.precision=fp8): the stage, cuBLAS's FP8 GEMM of its shape with
-    per-tensor and with per-row scales (`torch._scaled_mm`, the same fp32 accumulation, no fast
-    accumulation), and the bf16 stage. The quantize rows time the one pass over an activation
-    that no epilogue writes in FP8, against a bf16 copy of it."""
-    from codatrain.kernels.cute import fp8_stages, quantize
+    """Per FP8 GEMM stage (block.precision=fp8), forward and backward: the stage, cuBLAS's FP8 GEMM
+    of its shape with per-tensor and with per-row scales (`torch._scaled_mm`, the same fp32
+    accumulation, no fast accumulation), and the bf16 stage. The quantize rows time the one pass
+    over an activation that no epilogue writes in FP8, against a bf16 copy of it."""
+    from codatrain.kernels.cute import fp8_bwd_stages, fp8_stages, gemm_bwd_stages, quantize
 
-    e4m3 = torch.float8_e4m3fn
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
 
-    def fp8(t: torch.Tensor) -> torch.Tensor:
-        return (t.float() * (448 / t.float().abs().amax())).to(e4m3)
+    def fp8(t: torch.Tensor, dtype: torch.dtype = e4m3) -> torch.Tensor:
+        return (t.float() * (torch.finfo(dtype).max / t.float().abs().amax())).to(dtype)
 
     one = torch.ones((), device=x.x.device)
     h8, o8, y8 = fp8(x.h), fp8(x.attn_out), fp8(x.y)
@@ -547,6 +547,18 @@ def fp8_fns(s: StageBackend, x: Inputs) -> dict[str, dict[str, Callable]]:
 
     preact, y, o = torch.empty_like(x.preact), torch.empty_like(x.y), torch.empty_like(x.attn_out)
     qkv = torch.empty_like(x.qkv)
+    # Backward: gradients in e5m2, the dgrads' transposed weights (K-major B operands).
+    dx8, dpre8, dqkv8 = fp8(x.x, e5m2), fp8(x.preact, e5m2), fp8(x.dqkv, e5m2)
+    w_down_t8, w_gu_t8, w_qkv_t8 = (w.t().contiguous() for w in (w_down8, w_gu8, w_qkv8))
+    dswiglu_out = (torch.empty_like(x.preact), torch.empty_like(x.y), torch.empty_like(x.rstd))
+    row_tiles = gemm_bwd_stages.rms_bwd_row_tiles(x.m, "fp8_rms_bwd")
+    rms_out = (torch.empty_like(x.x), torch.empty_like(x.x),
+               torch.empty(row_tiles, x.cfg.dim, device=x.x.device))
+
+    def rms_bwd(dz8: torch.Tensor, w_t8: torch.Tensor) -> Callable:
+        args = (one, x.x, x.gamma, x.rstd, x.zdz, x.x, *rms_out)
+        return lambda: fp8_bwd_stages.fp8_gemm_rms_bwd(dz8, w_t8, *args)
+
     rope = gemm_stages_rope_args(x)
     y_out = quantize.quantize_fp8_outputs(x.y, e4m3)
     o_out = quantize.quantize_fp8_outputs(x.attn_out, e4m3)
@@ -564,6 +576,15 @@ def fp8_fns(s: StageBackend, x: Inputs) -> dict[str, dict[str, Callable]]:
             "stage": lambda: fp8_stages.fp8_gemm_rstd_rope(h8, w_qkv8, one, x.rstd, x.positions, qkv, *rope),
             **scaled_mm(h8, w_qkv8),
             "bf16 stage": lambda: s.gemm_rstd_rope(x.h, x.w_qkv, x.rstd, x.positions, **x.rope)},
+        "Bdswiglu down dgrad + dSwiGLU": {
+            "stage": lambda: fp8_bwd_stages.fp8_gemm_dswiglu(dx8, w_down_t8, one, x.preact, *dswiglu_out),
+            **scaled_mm(dx8, w_down_t8), "bf16 stage": lambda: s.gemm_dswiglu(x.x, x.w_down, x.preact)},
+        "Brms_gu gate/up dgrad + RMSNorm bwd": {
+            "stage": rms_bwd(dpre8, w_gu_t8), **scaled_mm(dpre8, w_gu_t8),
+            "bf16 stage": lambda: s.gemm_rms_bwd(x.preact, x.w_gu, x.x, x.gamma, x.rstd, x.zdz, x.x)},
+        "Brms_qkv QKV dgrad + RMSNorm bwd": {
+            "stage": rms_bwd(dqkv8, w_qkv_t8), **scaled_mm(dqkv8, w_qkv_t8),
+            "bf16 stage": lambda: s.gemm_rms_bwd(x.dqkv, x.w_qkv, x.x, x.gamma, x.rstd, x.zdz, x.x)},
         "quantize y (M × F)": {
             "stage": lambda: quantize.quantize_fp8(x.y, one, *y_out), "bf16 copy": lambda: y.copy_(x.y)},
         "quantize attention output": {
@@ -593,7 +614,8 @@ def fp8_sweep(s: StageBackend, x: Inputs, device: torch.device, warmup: int, ite
     from codatrain.kernels.cute import configs
 
     keys = {"F1": "fp8_residual_rms", "F2": "fp8_rstd_swiglu", "F3": "fp8_residual_rms",
-            "F4": "fp8_rstd_rope"}
+            "F4": "fp8_rstd_rope", "Bdswiglu": "fp8_dswiglu", "Brms_gu": "fp8_rms_bwd",
+            "Brms_qkv": "fp8_rms_bwd"}
     results = {}
     for name, fns in fp8_fns(s, x).items():
         stage = name.split()[0]
@@ -647,7 +669,7 @@ def main() -> None:
                    help="stages: every stage alone; layer: attention and the layer forward; "
                         "fwd_bwd: the layer forward + backward against eager, compile and the floor; "
                         "head: the training LM head forward + backward against its peers and floor; "
-                        "fp8: the FP8 forward stages against cuBLAS's FP8 GEMM and the bf16 stages; "
+                        "fp8: the FP8 GEMM stages against cuBLAS's FP8 GEMM and the bf16 stages; "
                         "none: only --sweep / --ablate")
     p.add_argument("--head-chunks", type=int, nargs="+",
                    help="head section: chunk rows to time (default: the backend's head_chunk_rows)")
@@ -732,7 +754,7 @@ def main() -> None:
             print(f"{name:30s} failed: {error}")
     if "fp8" in args.sections:
         results["fp8"] = {}
-        print(f"\nFP8 forward stages ({args.model}, M={args.tokens}; ratios to the first _scaled_mm or copy)")
+        print(f"\nFP8 GEMM stages ({args.model}, M={args.tokens}; ratios to the first _scaled_mm or copy)")
         for name, fns in fp8_fns(s, x).items():
             times = dict(zip(fns, median_ms(list(fns.values()), device, warmup=args.warmup, iters=args.iters),
                              strict=True))
