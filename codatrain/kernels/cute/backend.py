@@ -7,6 +7,11 @@ stages are CuTeDSL kernels (QuACK's GEMM with a CODA epilogue, or a row kernel);
 reduction and the LM head's fused linear cross-entropy (head.py) are QuACK's; plain dgrad/wgrad
 GEMMs, with nothing to fuse, are cuBLAS calls (faster than QuACK's untuned default at every layer
 shape).
+
+FP8 operands (`Fp8Tensor`, block.precision=fp8) take the FP8 forms of the GEMM stages
+(fp8_stages.py, fp8_bwd_stages.py: QuACK's FP8 mainloop, cuBLAS FP8 for the plain GEMMs); an
+output asked for in FP8 that no epilogue writes in FP8 goes through one quantize pass
+(quantize.py).
 """
 
 from __future__ import annotations
