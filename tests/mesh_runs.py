@@ -5,8 +5,8 @@ pays torchrun's start-up and the imports once:
 
 Each item is a list of config overrides (as for scripts/train.py); each run builds its `Trainer`
 on the one process group (`init_distributed`), with its own mesh, and writes its run dir as a job
-of scripts/train.py would. `launch` starts such a job from a test (tests/test_hsdp.py,
-tests/test_checkpoint_resume.py), which then reads the runs' metrics and checkpoints.
+of scripts/train.py would. `launch` starts such a job from a test (tests/test_hsdp.py, test_train.py,
+test_checkpoint_resume.py), which then reads the runs' metrics and checkpoints.
 """
 
 import json
