@@ -397,35 +397,96 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _reshard_on_two(rank: int, tmp: Path) -> None:
+    # 1 -> 2: the single-process checkpoint reshards onto 2 ranks of the permuted layout.
+    run = Run(tmp / "two", model_cls=PermutedLlama, shard=True, rank=rank,
+              resume=str(tmp / "one/checkpoints/step_1"))
+    assert run.ckpt.restore() == 1
+    loaded = run.canonical()
+    if rank == 0:
+        save_file(loaded, str(tmp / "loaded_on_two.safetensors"))
+    run.step()
+    run.ckpt.save(2)  # 2 -> 1 in the test
+    trained = run.canonical()
+    if rank == 0:
+        save_file(trained, str(tmp / "saved_by_two.safetensors"))
+
+
+def _disk_full(self, data):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def _rank0_decides(rank: int, tmp: Path) -> None:
+    for run_dir in ("fresh", "stale"):
+        Run(tmp / run_dir, shard=True, rank=rank).ckpt.save(9)
+    outcomes = {}
+    for case, run_dir, resume in [
+        ("resume=none", "stale", "none"),
+        ("missing rank file", "one", str(tmp / "missing_rank_file")),
+        ("odd manifest", "one", str(tmp / "odd_manifest")),
+    ]:
+        try:
+            outcomes[case] = f"resumed at {Run(tmp / run_dir, rank=rank, resume=resume).ckpt.restore()}"
+        except CheckpointError as error:
+            outcomes[case] = str(error)
+    # A full disk on rank 1 only: every rank raises (none waits in a collective), nothing is kept.
+    full_disk = Run(tmp / "full_disk", shard=True, rank=rank)
+    with pytest.MonkeyPatch.context() as patch:
+        if rank == 1:
+            patch.setattr(checkpoint_files.HashingStream, "write", _disk_full)
+        try:
+            full_disk.ckpt.save(3)
+        except CheckpointError as error:
+            outcomes["disk full on rank 1"] = str(error)
+    (tmp / f"outcomes_{rank}.json").write_text(json.dumps(outcomes))
+
+
 def _two_rank_worker(rank: int, world_size: int, port: int, tmp: str) -> None:
+    """The work of both 2-rank tests below, one after the other in one process group (a spawn of two
+    interpreters costs seconds of CI)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    # A rank left waiting for an answer fails the test in a minute instead of hanging it.
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
     try:
-        # 1 -> 2: the single-process checkpoint reshards onto 2 ranks of the permuted layout.
-        run = Run(Path(tmp) / "two", model_cls=PermutedLlama, shard=True, rank=rank,
-                  resume=str(Path(tmp) / "one/checkpoints/step_1"))
-        assert run.ckpt.restore() == 1
-        loaded = run.canonical()
-        if rank == 0:
-            save_file(loaded, str(Path(tmp) / "loaded_on_two.safetensors"))
-        run.step()
-        run.ckpt.save(2)  # 2 -> 1 below
-        trained = run.canonical()
-        if rank == 0:
-            save_file(trained, str(Path(tmp) / "saved_by_two.safetensors"))
+        _reshard_on_two(rank, Path(tmp) / "reshard")
+        _rank0_decides(rank, Path(tmp) / "rank0")
         dist.barrier()  # no rank tears the group down while another still talks to it
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.slow
-def test_two_processes_reshard_to_one_and_back(tmp_path):
-    one = Run(tmp_path / "one")
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict:
+    """The single-process checkpoints both 2-rank tests start from, then their 2 ranks' work; the
+    folder of each test and the state that the single process saved."""
+    tmp = tmp_path_factory.mktemp("two_ranks")
+    one = Run(tmp / "reshard/one")
     one.step()
     one.ckpt.save(1)
-    mp.spawn(_two_rank_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2)
-    assert_same(load_file(tmp_path / "loaded_on_two.safetensors"), one.canonical())
+    saved_by_one = one.canonical()
+
+    rank0 = tmp / "rank0"
+    decider = Run(rank0 / "one")
+    decider.step()
+    source = decider.ckpt.save(1)
+    for name in ("missing_rank_file", "odd_manifest"):
+        shutil.copytree(source, rank0 / name)
+    (rank0 / "missing_rank_file/rank_00000.json").unlink()
+    manifest = json.loads((source / "checkpoint.json").read_text())
+    (rank0 / "odd_manifest/checkpoint.json").write_text(json.dumps(manifest | {"files": []}))
+    stale = rank0 / "stale/checkpoints/.tmp-step_7"
+    stale.mkdir(parents=True)
+    (stale / "shard-00001-model-00001-of-00001.safetensors").write_bytes(b"partial")
+
+    mp.spawn(_two_rank_worker, args=(2, _free_port(), str(tmp)), nprocs=2)
+    return {"reshard": tmp / "reshard", "saved_by_one": saved_by_one, "rank0": rank0}
+
+
+@pytest.mark.slow
+def test_two_processes_reshard_to_one_and_back(two_ranks):
+    tmp_path = two_ranks["reshard"]
+    assert_same(load_file(tmp_path / "loaded_on_two.safetensors"), two_ranks["saved_by_one"])
 
     ckpt = tmp_path / "two/checkpoints/step_2"
     assert inspect_checkpoint(ckpt)["world_size"] == 2
@@ -442,63 +503,13 @@ def test_two_processes_reshard_to_one_and_back(tmp_path):
 
 
 # ---- 2 processes: rank 0 decides and tidies up for every rank --------------------------------------
-def _disk_full(self, data):
-    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-
-def _rank0_worker(rank: int, world_size: int, port: int, tmp: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    # A rank left waiting for an answer fails the test in a minute instead of hanging it.
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
-    tmp = Path(tmp)
-    try:
-        for run_dir in ("fresh", "stale"):
-            Run(tmp / run_dir, shard=True, rank=rank).ckpt.save(9)
-        outcomes = {}
-        for case, run_dir, resume in [
-            ("resume=none", "stale", "none"),
-            ("missing rank file", "one", str(tmp / "missing_rank_file")),
-            ("odd manifest", "one", str(tmp / "odd_manifest")),
-        ]:
-            try:
-                outcomes[case] = f"resumed at {Run(tmp / run_dir, rank=rank, resume=resume).ckpt.restore()}"
-            except CheckpointError as error:
-                outcomes[case] = str(error)
-        # A full disk on rank 1 only: every rank raises (none waits in a collective), nothing is kept.
-        full_disk = Run(tmp / "full_disk", shard=True, rank=rank)
-        with pytest.MonkeyPatch.context() as patch:
-            if rank == 1:
-                patch.setattr(checkpoint_files.HashingStream, "write", _disk_full)
-            try:
-                full_disk.ckpt.save(3)
-            except CheckpointError as error:
-                outcomes["disk full on rank 1"] = str(error)
-        (tmp / f"outcomes_{rank}.json").write_text(json.dumps(outcomes))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.slow
-def test_rank_zero_decides_for_every_rank_and_tidies_the_checkpoint_root(tmp_path):
+def test_rank_zero_decides_for_every_rank_and_tidies_the_checkpoint_root(two_ranks):
     """With 2 ranks: rank 0 creates the checkpoint root and removes the leftovers of any earlier
     interrupted save (a .tmp-step_7 while saving step 9); what rank 0 finds wrong when choosing the
     checkpoint to resume is raised on every rank, with the real reason; so is a save that fails on
     one rank only (a full disk), whose partial directory is removed."""
-    one = Run(tmp_path / "one")
-    one.step()
-    source = one.ckpt.save(1)
-    for name in ("missing_rank_file", "odd_manifest"):
-        shutil.copytree(source, tmp_path / name)
-    (tmp_path / "missing_rank_file/rank_00000.json").unlink()
-    manifest = json.loads((source / "checkpoint.json").read_text())
-    (tmp_path / "odd_manifest/checkpoint.json").write_text(json.dumps(manifest | {"files": []}))
-    stale = tmp_path / "stale/checkpoints/.tmp-step_7"
-    stale.mkdir(parents=True)
-    (stale / "shard-00001-model-00001-of-00001.safetensors").write_bytes(b"partial")
-
-    mp.spawn(_rank0_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2)
+    tmp_path = two_ranks["rank0"]
     for run_dir in ("fresh", "stale"):
         root = tmp_path / run_dir / "checkpoints"
         assert [p.name for p in root.iterdir()] == ["step_9"], run_dir

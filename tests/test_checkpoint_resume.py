@@ -5,9 +5,11 @@ import itertools
 import os
 import re
 import signal
+from pathlib import Path
 
 import pytest
 import torch
+from mesh_runs import launch
 
 from codatrain.config import load_config, validate
 from codatrain.model import Llama
@@ -15,7 +17,7 @@ from codatrain.model.hf import HFCheckpoint
 from codatrain.train.checkpoint import CheckpointMismatch, inspect_checkpoint
 from codatrain.train.distributed import init_distributed
 from codatrain.train.hf_io import export_checkpoint_to_hf
-from codatrain.train.logger import read_losses, read_records
+from codatrain.train.logger import LOG_FILE, read_losses, read_records
 from codatrain.train.trainer import NonFiniteError, Trainer, train
 
 STEPS = 8
@@ -150,21 +152,43 @@ def test_hf_exports_during_training_and_init_from_finetuning(tmp_path):
         trainer(tmp_path / "bad", f"checkpoint.init_from={exports / 'step_4'}", "model.n_layers=3")
 
 
+# Validation on, as in the README's torchrun command: each save follows an evaluation forward,
+# which left FSDP2's root unsharded and lost the run (KeyError in get_optimizer_state_dict).
+# 3 validation batches: not a multiple of 2 ranks, so one rank's second forward is left out.
+WITH_VALIDATION = [o for o in FAST if not o.startswith("train.val_every=")] + [
+    "train.val_every=4", "train.val_batches=3"
+]
+# A tied head and scaled RoPE, validation and checkpoints on.
+TIED_LLAMA3 = [o for o in FAST if not o.startswith("train.val_every=")] + [
+    "train.val_every=4", "train.val_batches=2", "model.tie_embeddings=true", "model.rope_type=llama3",
+    "model.rope_factor=8", "model.rope_original_max_positions=32",  # windows of 64 reach past it
+]
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> dict[str, Path]:
+    """The two-process runs of the tests below, one after the other in one torchrun job of 2 FSDP2
+    processes (tests/mesh_runs.py: its start-up paid once); the run dir of each."""
+    root = tmp_path_factory.mktemp("two")
+    dirs = {"eager": root / "eager", "tied_coda": root / "tied_coda"}
+    launch(2, [[*WITH_VALIDATION, f"train.run_dir={dirs['eager']}", "checkpoint.every=4"],
+               [*TIED_LLAMA3, "block=coda", "block.backend=reference", f"train.run_dir={dirs['tied_coda']}",
+                "checkpoint.every=4"]], root)
+    for name, run_dir in dirs.items():
+        log = (run_dir / LOG_FILE).read_text()
+        assert f"codatrain | block={name.removeprefix('tied_')}" in log, log
+        assert " | 2 × cpu (full shard) | " in log and "step 4/8 | val loss" in log, log
+    return dirs
+
+
 @pytest.mark.slow
-def test_resume_from_two_processes_onto_one(tmp_path, run_torchrun):
-    # Validation on, as in the README's torchrun command: each save follows an evaluation forward,
-    # which left FSDP2's root unsharded and lost the run (KeyError in get_optimizer_state_dict).
-    # 3 validation batches: not a multiple of 2 ranks, so one rank's second forward is left out.
-    with_validation = [o for o in FAST if not o.startswith("train.val_every=")] + [
-        "train.val_every=4", "train.val_batches=3"
-    ]
-    proc = run_torchrun(2, [*with_validation, f"train.run_dir={tmp_path / 'two'}", "checkpoint.every=4"])
-    assert "step 4/8 | val loss" in proc.stdout + proc.stderr
-    two = read_losses(tmp_path / "two")
-    step_4 = tmp_path / "two/checkpoints/step_4"
+def test_resume_from_two_processes_onto_one(tmp_path, two_processes):
+    two_dir = two_processes["eager"]
+    two = read_losses(two_dir)
+    step_4 = two_dir / "checkpoints/step_4"
     assert inspect_checkpoint(step_4)["world_size"] == 2
-    assert inspect_checkpoint(tmp_path / "two/checkpoints/step_8")["world_size"] == 2
-    one = train(load_config([*with_validation, f"train.run_dir={tmp_path / 'one'}",
+    assert inspect_checkpoint(two_dir / "checkpoints/step_8")["world_size"] == 2
+    one = train(load_config([*WITH_VALIDATION, f"train.run_dir={tmp_path / 'one'}",
                              f"checkpoint.resume={step_4}"]))
     assert sorted(one.losses) == list(range(5, STEPS + 1))
     # The same windows per step (the data position is global); only the order of gradient sums
@@ -172,29 +196,24 @@ def test_resume_from_two_processes_onto_one(tmp_path, run_torchrun):
     for step, loss in one.losses.items():
         assert loss == pytest.approx(two[step], rel=1e-4), step
     # train.val_batches counts batches over all ranks: 1 and 2 processes validate on the same ones.
-    two_val = {r["step"]: r["val_loss"] for r in read_records(tmp_path / "two") if "val_loss" in r}
+    two_val = {r["step"]: r["val_loss"] for r in read_records(two_dir) if "val_loss" in r}
     assert sorted(two_val) == [4, 8] and sorted(one.val_losses) == [8]
     assert one.val_losses[8] == pytest.approx(two_val[8], rel=1e-4)
 
 
 @pytest.mark.slow
-def test_tied_llama3_coda_model_under_fsdp2_resumes_on_one_eager_process(tmp_path, run_torchrun):
+def test_tied_llama3_coda_model_under_fsdp2_resumes_on_one_eager_process(tmp_path, two_processes):
     """A tied head and scaled RoPE under FSDP2 (the shared matrix in the root's group), with
     validation and checkpoints on: the checkpoint holds no head tensor, and one eager process
     resumed from it trains on as the two CODA processes did (a wrong gradient of the shared matrix
     would part them from step 6)."""
-    llama3 = [o for o in FAST if not o.startswith("train.val_every=")] + [
-        "train.val_every=4", "train.val_batches=2", "model.tie_embeddings=true", "model.rope_type=llama3",
-        "model.rope_factor=8", "model.rope_original_max_positions=32",  # windows of 64 reach past it
-    ]
-    proc = run_torchrun(2, [*llama3, "block=coda", "block.backend=reference",
-                            f"train.run_dir={tmp_path / 'two'}", "checkpoint.every=4"])
-    assert "step 4/8 | val loss" in proc.stdout + proc.stderr
-    two = read_losses(tmp_path / "two")
-    step_4 = tmp_path / "two/checkpoints/step_4"
+    two_dir = two_processes["tied_coda"]
+    two = read_losses(two_dir)
+    step_4 = two_dir / "checkpoints/step_4"
     export_checkpoint_to_hf(step_4, tmp_path / "hf")
     assert "lm_head.weight" not in HFCheckpoint(tmp_path / "hf").keys()
-    one = train(load_config([*llama3, f"train.run_dir={tmp_path / 'one'}", f"checkpoint.resume={step_4}"]))
+    one = train(load_config([*TIED_LLAMA3, f"train.run_dir={tmp_path / 'one'}",
+                             f"checkpoint.resume={step_4}"]))
     assert sorted(one.losses) == list(range(5, STEPS + 1))
     for step, loss in one.losses.items():
         assert loss == pytest.approx(two[step], rel=1e-4), step

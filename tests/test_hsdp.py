@@ -5,20 +5,14 @@ the same global batch, with validation and checkpoints on; a checkpoint saved on
 other meshes and on one process with the next losses of the uninterrupted run.
 """
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from mesh_runs import launch
 
 from codatrain.config import load_config, validate
 from codatrain.train.checkpoint import inspect_checkpoint
 from codatrain.train.logger import read_losses, read_records
 from codatrain.train.plan import DataParallelMesh, data_parallel_mesh
 from codatrain.train.trainer import train
-
-REPO = Path(__file__).resolve().parent.parent
 
 STEPS = 10
 # 4 processes × 1 micro-batch of 2 windows, or 1 process × 4: the same 8 windows per step.
@@ -32,15 +26,6 @@ MESHES = {"1x4": ["parallel.dp_replicate=1"], "2x2": ["parallel.dp_replicate=2"]
           "4x1": ["parallel.dp_replicate=4", "parallel.dp_shard=1"]}
 # fp32 on CPU: only the order of the gradient sums differs between meshes and accumulation.
 REL = 1e-5
-
-
-def torchrun(nproc: int, runs: list[list[str]], cwd) -> str:
-    """The runs in one torchrun job of `nproc` processes (tests/mesh_runs.py); its output."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(REPO / "tests" / "mesh_runs.py"), json.dumps(runs)]
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return proc.stdout + proc.stderr
 
 
 def val_losses(run_dir) -> dict[int, float]:
@@ -62,7 +47,7 @@ def meshes(tmp_path_factory):
     runs = [[*COMMON, *overrides, f"train.run_dir={dirs[name]}"] for name, overrides in MESHES.items()]
     runs.append([*COMMON, *MESHES["4x1"], f"train.run_dir={dirs['2x2_on_4x1']}",
                  f"checkpoint.resume={dirs['2x2'] / 'checkpoints/step_5'}"])
-    output = torchrun(4, runs, root)
+    output = launch(4, runs, root)
     assert "4 × cpu (HSDP 2 replicas × 2 shards)" in output and "4 × cpu (replicate 4)" in output
     return dirs
 
@@ -91,8 +76,8 @@ def test_a_2x2_checkpoint_resumes_on_other_meshes_and_one_process(meshes, one_pr
     step_5 = meshes["2x2"] / "checkpoints/step_5"
     uninterrupted = read_losses(meshes["2x2"])
     after_5 = {step: loss for step, loss in uninterrupted.items() if step > 5}
-    torchrun(2, [[*COMMON, "parallel.dp_replicate=1", f"train.run_dir={tmp_path / 'on_1x2'}",
-                  f"checkpoint.resume={step_5}"]], tmp_path)
+    launch(2, [[*COMMON, "parallel.dp_replicate=1", f"train.run_dir={tmp_path / 'on_1x2'}",
+                f"checkpoint.resume={step_5}"]], tmp_path)
     one = train(load_config([*COMMON, f"train.run_dir={tmp_path / 'on_1'}", f"checkpoint.resume={step_5}"]))
     resumed = {"4x1": read_losses(meshes["2x2_on_4x1"]), "1x2": read_losses(tmp_path / "on_1x2"),
                "1 process": one.losses}

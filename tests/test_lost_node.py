@@ -20,7 +20,7 @@ from codatrain.train.checkpoint import checkpoint_dirs, inspect_checkpoint
 from codatrain.train.logger import read_losses
 
 REPO = Path(__file__).resolve().parent.parent
-STEPS, KILL_IN_SAVE = 30, 15
+STEPS, KILL_IN_SAVE = 20, 15  # steps after the restart, from step 10 or 15, to compare
 COMMON = [
     "train.log_every=1", "train.progress=false", "data=synthetic", "data.num_workers=0",
     "data.seq_len=32", "train.micro_batch_size=2", "model.n_layers=2", "optim.warmup_steps=2",

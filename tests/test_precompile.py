@@ -4,7 +4,7 @@ scripts/precompile.py).
 The stamp, manifest and stale-cache switch run anywhere. With the cuda extras installed (CuTeDSL,
 QuACK, FA4, triton), `test_precompile_tiny_for_sm90a` builds the cache of the `tiny` config for
 sm_90a on this CPU machine: every stage kernel and FA4 traces and compiles without a GPU
-(about 40 s on two cores); without them it is skipped.
+(a minute or two per build on two cores); without them it is skipped.
 """
 
 import dataclasses
@@ -41,6 +41,11 @@ CUDA_EXTRAS = ("cutlass", "quack", "flash_attn", "triton")
 # A vocabulary that is not a multiple of 8, and an F1 and F3 that tile differently (K ≤ N and K > N).
 ODD_SHAPES = ["model.vocab_size=509", "model.dim=384", "model.ffn_dim=1024"]
 QKV_BIAS = ["model.family=qwen2", "model.qkv_bias=true"]
+DOCUMENTS = ["data.keep_document_boundaries=true"]
+FA4_FIXED = ["FA4 forward", "FA4 backward"]
+# Both with up to and over 256 documents per micro-batch (FA4's two variants).
+FA4_VARLEN = [f"FA4 varlen {direction}, {count} 256 documents"
+              for count in ("up to", "over") for direction in ("forward", "backward")]
 
 
 def run_config(overrides: list[str]):
@@ -111,8 +116,11 @@ def test_shapes_of_a_run_config():
     assert shapes_of([*CODA_KERNELS, "model.n_layers=2"]) == shapes
     assert shapes_of([*CODA_KERNELS, "data.seq_len=256"]).key != shapes.key
     # Document masking swaps FA4 for its varlen kernels; the stages stay the same.
-    documents = shapes_of([*CODA_KERNELS, "data.keep_document_boundaries=true"])
+    documents = shapes_of([*CODA_KERNELS, *DOCUMENTS])
     assert documents.documents and documents.key == f"{shapes.key} documents"
+    # The reference stages with FA4 compile FA4 only.
+    fa4_only = shapes_of(["block=coda", "block.backend=reference", "block.attention=fa4", *DOCUMENTS])
+    assert not fa4_only.stages and fa4_only.fa4 and fa4_only.documents
     # A QKV bias swaps in the bias variants of F4 and the RoPE backward.
     assert shapes_of([*CODA_KERNELS, *QKV_BIAS]).key == f"{shapes.key} qkv_bias"
     cute_sdpa = ["block=coda", "block.backend=cute", "block.attention=sdpa"]
@@ -183,15 +191,19 @@ def test_script_check_and_nothing_to_compile(tmp_path):
     not all(importlib.util.find_spec(name) for name in CUDA_EXTRAS),
     reason="needs the cuda extras (nvidia-cutlass-dsl, quack-kernels, flash-attn-4) and triton",
 )
-# One build covers the odd widths and the QKV bias (each build costs CI a minute or two).
-@pytest.mark.parametrize("widths", [[], [*ODD_SHAPES, *QKV_BIAS]], ids=["tiny", "odd-shapes-qkv-bias"])
-def test_precompile_tiny_for_sm90a(tmp_path, widths):
+# One build covers the odd widths, the QKV bias and the documents (each build costs CI a minute or two).
+@pytest.mark.parametrize("widths, fa4_kernels",
+                         [([], FA4_FIXED), ([*ODD_SHAPES, *QKV_BIAS, *DOCUMENTS], FA4_VARLEN)],
+                         ids=["tiny", "odd-shapes-qkv-bias-documents"])
+def test_precompile_tiny_for_sm90a(tmp_path, widths, fa4_kernels):
     """The tiny config, and the same with a vocabulary that is not a multiple of 8 (its LM head pads
     the logits rows; unpadded, the cross-entropy kernel stopped the build with a compiler error), an
     out-projection and down-projection that tile differently (F1 and F3 leave different numbers of
-    x² partials) and a QKV bias (Qwen2: the bias variants of F4 and the RoPE backward).
-    A micro-step of the model on fake tensors then finds every kernel it launches
-    in the cache (tests/fake_job.py): a precompiled job compiles nothing."""
+    x² partials), a QKV bias (Qwen2: the bias variants of F4 and the RoPE backward) and
+    data.keep_document_boundaries (FA4's varlen forward and backward, both with up to and over 256
+    documents per micro-batch, FA4's two variants, instead of its fixed-length kernels; the stages
+    do not change with documents). A micro-step of the model on fake tensors then finds every
+    stage kernel it launches in the cache (tests/fake_job.py): a precompiled job compiles nothing."""
     proc = precompile_script("model=tiny", *widths, f"kernels.cache_dir={tmp_path}", "--jobs", "2")
     assert proc.returncode == 0, proc.stderr[-5000:]
     shapes = shapes_of([*CODA_KERNELS, *widths])
@@ -204,38 +216,15 @@ def test_precompile_tiny_for_sm90a(tmp_path, widths):
     assert counts["compiled"] == 0 and counts["loaded"] >= 10, counts
     entry = read_manifest(tmp_path)["configs"][shapes.key]
     kernels = set(entry["kernels"])
-    stages = ("F1 out-proj", "F2 gate/up", "F4 QKV", "LM head linear cross-entropy", "final RMSNorm backward",
-              "FA4 backward")
+    stages = ("F1 out-proj", "F2 gate/up", "F4 QKV", "LM head linear cross-entropy", "final RMSNorm backward")
     for stage in stages:
         assert any(name.startswith(stage) for name in kernels), f"{stage} missing from {sorted(kernels)}"
-    # 22 objects today; at least one per kernel family and library.
+    assert [name for name in entry["kernels"] if name.startswith("FA4")] == fa4_kernels
+    # Each FA4 spec compiled a main kernel of its own (FA4 files its objects by kernel kind).
+    kinds = [path.parent.name for path in (tmp_path / "fa4").rglob("*.o")]
+    assert kinds.count("fwd") == kinds.count("bwd") == len(fa4_kernels) // 2
+    # 22 objects today; at least one per kernel family.
     assert len(list((tmp_path / "quack").rglob("*.o"))) >= 15
-    assert len(list((tmp_path / "fa4").rglob("*.o"))) >= 2
     assert cache_problems(tmp_path, shapes) == []
     check = precompile_script("--check", "model=tiny", *widths, f"kernels.cache_dir={tmp_path}")
     assert check.returncode == 0 and "fits" in check.stdout
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(
-    not all(importlib.util.find_spec(name) for name in CUDA_EXTRAS),
-    reason="needs the cuda extras (nvidia-cutlass-dsl, quack-kernels, flash-attn-4) and triton",
-)
-def test_precompile_varlen_attention_for_sm90a(tmp_path):
-    """data.keep_document_boundaries: FA4's varlen forward and backward, both with up to and over
-    256 documents per micro-batch (FA4's two variants), instead of its fixed-length kernels. The
-    stages are left out (reference backend): they do not change with documents."""
-    overrides = ["model=tiny", "block=coda", "block.backend=reference", "block.attention=fa4",
-                 "data.keep_document_boundaries=true", f"kernels.cache_dir={tmp_path}"]
-    proc = precompile_script(*overrides, "--jobs", "2")
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    shapes = shapes_of(overrides)
-    assert not shapes.stages and shapes.fa4 and shapes.documents
-    assert read_manifest(tmp_path)["configs"][shapes.key]["kernels"] == [
-        f"FA4 varlen {direction}, {count} 256 documents"
-        for count in ("up to", "over") for direction in ("forward", "backward")
-    ]
-    # Each spec compiled a kernel of its own: forward and backward main kernels, two variants each.
-    kinds = [path.parent.name for path in (tmp_path / "fa4").rglob("*.o")]  # FA4 files by kernel kind
-    assert kinds.count("fwd") == 2 and kinds.count("bwd") == 2
-    assert cache_problems(tmp_path, shapes) == []

@@ -6,13 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from mesh_runs import launch
 from torch.distributed.fsdp import FSDPModule
 
 from codatrain.config import load_config, validate
 from codatrain.kernels.stages import BackendUnavailableError
 from codatrain.train import trainer as trainer_module
 from codatrain.train.distributed import init_distributed
-from codatrain.train.logger import read_losses
+from codatrain.train.logger import LOG_FILE, read_losses
 from codatrain.train.plan import build_run_plan
 from codatrain.train.trainer import Trainer, train
 
@@ -92,14 +93,33 @@ def test_one_plain_process_computes_through_fsdp2s_policy_in_the_plans_dtype(tmp
     assert 4.0 < loss < 7.0 and grad_norm > 0  # about ln(vocab) = 5.5 at the first step
 
 
+# Same global batch on 1 process with 2 micro-batches and on 2 FSDP2 ranks: the default tiny run
+# (4096 tokens a step), and block=coda on a smaller one.
+FSDP_EAGER = [*FAST, "train.steps=12", "train.tokens_per_step=4096", "train.micro_batch_size=16"]
+FSDP_CODA = [*FAST, "model.n_layers=2", "data.seq_len=64", "train.micro_batch_size=16",
+             "block=coda", "block.backend=reference", "block.attention=sdpa", "train.steps=8",
+             "train.tokens_per_step=2048"]
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> dict[str, Path]:
+    """Both runs on 2 FSDP2 processes, one after the other in one torchrun job (tests/mesh_runs.py:
+    its start-up paid once); the run dir of each."""
+    root = tmp_path_factory.mktemp("two")
+    dirs = {"eager": root / "eager", "coda": root / "coda"}
+    launch(2, [[*FSDP_EAGER, f"train.run_dir={dirs['eager']}"],
+               [*FSDP_CODA, f"train.run_dir={dirs['coda']}"]], root)
+    for block, run_dir in dirs.items():
+        log = (run_dir / LOG_FILE).read_text()
+        assert f"codatrain | block={block}" in log and " | 2 × cpu (full shard) | " in log, log
+    return dirs
+
+
 @pytest.mark.slow
-def test_fsdp_two_processes_follow_one_process(tmp_path, run_torchrun):
-    """Same global batch (4096 tokens) on 1 process with 2 micro-batches and on 2 FSDP2 ranks."""
-    common = [*FAST, "train.steps=12", "train.tokens_per_step=4096", "train.micro_batch_size=16"]
-    one = run(tmp_path / "one", *common)
-    proc = run_torchrun(2, [*common, f"train.run_dir={tmp_path / 'two'}"])
-    assert "2 × cpu" in proc.stdout
-    two = read_losses(tmp_path / "two")
+@pytest.mark.parametrize("block, overrides", [("eager", FSDP_EAGER), ("coda", FSDP_CODA)])
+def test_fsdp_two_processes_follow_one_process(tmp_path, two_processes, block, overrides):
+    one = run(tmp_path / "one", *overrides)
+    two = read_losses(two_processes[block])
     assert sorted(two) == sorted(one.losses)
     # fp32 on CPU: only the order of the gradient sums differs (reduce-scatter vs accumulation).
     for step, loss in one.losses.items():
