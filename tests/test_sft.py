@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerFast
 
 from codatrain.config import DataConfig, load_config, validate
 from codatrain.data import build_loaders
-from codatrain.data.sft import SFTWindows, make_encoder, to_messages
+from codatrain.data.sft import SFTWindows, generation_prompt, make_encoder, to_messages
 from codatrain.data.tokenizer import ByteTokenizer, load_tokenizer
 from codatrain.model.llama import IGNORE_INDEX
 
@@ -193,6 +193,20 @@ def test_overlong_examples_are_truncated_or_dropped_and_counted(tmp_path):
                          seq_len=46))
 
 
+def test_a_generation_prompt_is_the_conversation_then_the_assistants_turn_opened(tmp_path):
+    words = chat_tokenizer(tmp_path / "tok")
+    ids = {word: i for i, word in words.items()}
+    messages = [{"role": "user", "content": "what is two"}]
+    folder = str(tmp_path / "tok")
+    prompt, template = generation_prompt(messages, folder, load_tokenizer(folder))
+    assert template == "the tokenizer's chat template"
+    assert prompt == [ids[w] for w in ("<|im_start|>", "user", "what", "is", "two", "<|im_end|>",
+                                       "<|im_start|>", "assistant")]
+    prompt, template = generation_prompt(messages, "byte", ByteTokenizer())
+    assert template == "the plain template"
+    assert prompt == [BOS, *b"<|user|>\nwhat is two", EOS, *b"<|assistant|>\n"]
+
+
 # ---- splits, sources, the loader --------------------------------------------------------------
 def test_validation_by_fraction_or_path_and_gzip(tmp_path):
     records = example_records([(i % 7, 1 + i % 5) for i in range(40)])
@@ -224,6 +238,23 @@ def test_hub_datasets_go_through_the_datasets_loader(tmp_path):
     write_jsonl(bad / "train.jsonl", [{"messages": CONVERSATION}, unknown_role])
     with pytest.raises(ValueError, match=r"\[train\] row 1: message 0 has the unknown role 'x'"):
         build(sft_config(tmp_path, str(bad), source="hub", cache_dir=str(tmp_path / "cache")))
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_hub_dataset_is_read_in_the_config_and_mode_asked_for_into_its_cache(tmp_path, streaming):
+    repo = tmp_path / "repo"  # two configurations, the first the default
+    configs = {"a": [{"prompt": "a", "response": "A"}], "b": [{"messages": CONVERSATION}] * 2}
+    for config, records in configs.items():
+        (repo / config).mkdir(parents=True)
+        write_jsonl(repo / config / "train.jsonl", records)
+    (repo / "README.md").write_text("---\nconfigs:\n- config_name: a\n  data_files: a/*.jsonl\n"
+                                    "  default: true\n- config_name: b\n  data_files: b/*.jsonl\n---\n")
+    cache = tmp_path / "cache"
+    train, _ = build(sft_config(tmp_path, str(repo), source="hub", name="b", split="train", seq_len=128,
+                                streaming=streaming, cache_dir=str(cache)))
+    assert train.dataset.report.examples == 2
+    # A stream is read as it goes; otherwise the split is prepared once, as Arrow files in the cache.
+    assert bool(list(cache.rglob("*.arrow"))) is not streaming
 
 
 def test_ranks_split_the_windows_and_resume_continues_exactly(tmp_path):
