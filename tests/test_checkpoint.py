@@ -276,6 +276,12 @@ def test_keep_last_prunes_older_checkpoints(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_3", "step_4"]
 
 
+def test_every_step_saves_and_exports_with_an_interval_of_one(tmp_path):
+    run = Run(tmp_path, every=1, save_hf_every=1)
+    run.ckpt.after_step(1, total_steps=3)
+    assert (tmp_path / "checkpoints/step_1").is_dir() and (tmp_path / "hf/step_1").is_dir()
+
+
 def test_resume_none_refuses_to_mix_with_existing_checkpoints(tmp_path):
     run = Run(tmp_path)
     run.step()

@@ -161,6 +161,10 @@ def test_examples_are_packed_whole_with_document_ids_and_padding_ignored(tmp_pat
     batches = list(islice(train, 3))
     first = batches[0]
     assert first.doc_ids[0].tolist() == [0] * 31 + [1] * 28 + [2] * 5  # padding is a document of its own
+    assert windows[0].doc_ids.dtype == np.int32  # as pretraining's windows give them
+    for outside in (-1, 3):
+        with pytest.raises(IndexError, match=f"^window {outside} of 3$"):
+            windows[outside]
     assert (first.inputs[0, 59:] == EOS).all()
     targets = first.targets[0]
     # Targets: each response and its EOS, never the next example's first token nor padding.
