@@ -211,6 +211,22 @@ def test_a_generation_prompt_is_the_conversation_then_the_assistants_turn_opened
     assert prompt == [BOS, *b"<|user|>\nwhat is two", EOS, *b"<|assistant|>\n"]
 
 
+@pytest.mark.parametrize("refused", ["== 4", "== 1 and add_generation_prompt",
+                                     "== 2 and not add_generation_prompt"])
+def test_a_conversation_the_chat_template_refuses_is_named_with_the_templates_reason(tmp_path, refused):
+    """The whole conversation, the turns before an assistant's with the generation prompt, or those
+    through it: whichever rendering the template refuses, the error names the record."""
+    chat_tokenizer(tmp_path / "tok", CHATML.replace(
+        "{% for", f"{{% if messages|length {refused} %}}{{{{ raise_exception('no: ' ~ messages|length) }}}}"
+        "{% endif %}{% for", 1))
+    cfg = DataConfig(format="sft", source="files", tokenizer=str(tmp_path / "tok"))
+    encode = make_encoder(cfg, load_tokenizer(cfg.tokenizer))[0]
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}] * 2
+    with pytest.raises(ValueError, match=r"^hand-written: the tokenizer's chat template refused the "
+                                         r"conversation: no: \d$"):
+        encode(messages, "hand-written")
+
+
 # ---- splits, sources, the loader --------------------------------------------------------------
 def test_validation_by_fraction_or_path_and_gzip(tmp_path):
     records = example_records([(i % 7, 1 + i % 5) for i in range(40)])
