@@ -8,7 +8,7 @@ from itertools import islice
 import numpy as np
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from codatrain.config import DataConfig, load_config, validate
@@ -105,13 +105,43 @@ def test_chat_template_targets_the_assistant_turns_as_the_template_writes_them(t
     assert make_encoder(cfg, load_tokenizer(cfg.tokenizer))[1] == "the plain template"
 
 
-def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path):
-    # Renders the turn count first: a longer conversation is no extension of a shorter one.
-    chat_tokenizer(tmp_path / "tok", "{{ messages | length }}" + CHATML)
+@pytest.mark.parametrize("template", [
+    "{{ messages | length }}" + CHATML,  # the turn count first: the start of the text changes
+    # a last assistant turn ends in another marker: the turns through an assistant's are no prefix
+    CHATML.replace("<|im_end|> {% endfor %}", "{% if loop.last and m['role'] == 'assistant' %}</s>"
+                                              "{% else %}<|im_end|> {% endif %}{% endfor %}"),
+])
+def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path, template):
+    chat_tokenizer(tmp_path / "tok", template)
     cfg = DataConfig(format="sft", source="files", tokenizer=str(tmp_path / "tok"))
     encode = make_encoder(cfg, load_tokenizer(cfg.tokenizer))[0]
-    with pytest.raises(ValueError, match="row 3: .*data.sft_template=plain"):
+    with pytest.raises(ValueError) as error:
         encode(CONVERSATION, "row 3")
+    assert str(error.value) == (
+        "row 3: the tokenizer's chat template does not render a conversation as the rendering of its first "
+        "turns plus more text, so the assistant's tokens cannot be found; use data.sft_template=plain")
+
+
+def test_the_rendered_text_is_tokenized_without_the_tokenizers_own_bos(tmp_path):
+    """The template writes every special token; a tokenizer that prepends BOS must not add another."""
+    words = chat_tokenizer(tmp_path / "tok")
+    file = str(tmp_path / "tok/tokenizer.json")
+    tok = Tokenizer.from_file(file)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    tok.save(file)
+    cfg = DataConfig(format="sft", source="files", tokenizer=str(tmp_path / "tok"))
+    example = make_encoder(cfg, load_tokenizer(cfg.tokenizer))[0](CONVERSATION, "row 3")
+    assert words[example.tokens[0]] == "<|im_start|>" and bos not in example.tokens
+
+
+def test_assistant_turns_a_template_does_not_write_have_no_targets(tmp_path):
+    # No assistant turn and no generation prompt: the text through an assistant turn is the text before it.
+    template = "{% for m in messages if m['role'] != 'assistant' %}<|im_start|>{{ m['role'] }} {% endfor %}"
+    chat_tokenizer(tmp_path / "tok", template)
+    cfg = DataConfig(format="sft", source="files", tokenizer=str(tmp_path / "tok"))
+    example = make_encoder(cfg, load_tokenizer(cfg.tokenizer))[0](CONVERSATION, "row 3")
+    assert len(example.tokens) and not example.is_target.any()
 
 
 # ---- bad records --------------------------------------------------------------------------------
