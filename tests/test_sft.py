@@ -123,7 +123,8 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path, template):
 
 
 def test_the_rendered_text_is_tokenized_without_the_tokenizers_own_bos(tmp_path):
-    """The template writes every special token; a tokenizer that prepends BOS must not add another."""
+    """The template writes every special token; a tokenizer that prepends BOS must not add another,
+    in fine-tuning examples and generation prompts alike."""
     words = chat_tokenizer(tmp_path / "tok")
     file = str(tmp_path / "tok/tokenizer.json")
     tok = Tokenizer.from_file(file)
@@ -133,6 +134,8 @@ def test_the_rendered_text_is_tokenized_without_the_tokenizers_own_bos(tmp_path)
     cfg = DataConfig(format="sft", source="files", tokenizer=str(tmp_path / "tok"))
     example = make_encoder(cfg, load_tokenizer(cfg.tokenizer))[0](CONVERSATION, "row 3")
     assert words[example.tokens[0]] == "<|im_start|>" and bos not in example.tokens
+    prompt = generation_prompt(CONVERSATION[:2], cfg.tokenizer, load_tokenizer(cfg.tokenizer))[0]
+    assert words[prompt[0]] == "<|im_start|>" and bos not in prompt
 
 
 def test_assistant_turns_a_template_does_not_write_have_no_targets(tmp_path):
