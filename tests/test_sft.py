@@ -165,6 +165,15 @@ def test_bad_records_name_the_file_and_line(tmp_path, record, message):
         build(sft_config(tmp_path, path))
 
 
+def test_a_file_that_is_not_json_lines_is_named(tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a record\n")
+    with pytest.raises(ValueError) as error:
+        build(sft_config(tmp_path, notes))
+    assert str(error.value) == (f"data path {str(notes)!r}: {notes} is not a JSON-lines file "
+                                "(.jsonl, .json, .jsonl.gz, .json.gz)")
+
+
 def test_format_sft_needs_files_or_hub():
     with pytest.raises(ValueError, match="data.format=sft .* not 'embedded'"):
         DataConfig(format="sft", source="embedded")
