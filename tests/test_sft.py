@@ -174,6 +174,12 @@ def test_a_file_that_is_not_json_lines_is_named(tmp_path):
                                 "(.jsonl, .json, .jsonl.gz, .json.gz)")
 
 
+def test_blank_lines_between_records_are_skipped(tmp_path):
+    path = write_jsonl(tmp_path / "ex.jsonl", [{"prompt": "p", "response": "r"}, "", "  ",
+                                                {"prompt": "q", "response": "s"}])
+    assert build(sft_config(tmp_path, path))[0].dataset.report.examples == 2
+
+
 def test_format_sft_needs_files_or_hub():
     with pytest.raises(ValueError, match="data.format=sft .* not 'embedded'"):
         DataConfig(format="sft", source="embedded")
@@ -204,6 +210,7 @@ def test_examples_are_packed_whole_with_document_ids_and_padding_ignored(tmp_pat
     first = batches[0]
     assert first.doc_ids[0].tolist() == [0] * 31 + [1] * 28 + [2] * 5  # padding is a document of its own
     assert windows[0].doc_ids.dtype == np.int32  # as pretraining's windows give them
+    assert windows[1].doc_ids.tolist() == [0] * 33 + [1] * 31  # ids count from each window's first example
     for outside in (-1, 3):
         with pytest.raises(IndexError, match=f"^window {outside} of 3$"):
             windows[outside]
