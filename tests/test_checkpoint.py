@@ -316,6 +316,9 @@ def test_a_stop_saves_when_the_last_checkpoint_or_the_start_is_stop_save_after_s
     step_2 = run.ckpt.on_stop(2)
     assert step_2 == tmp_path / "checkpoints/step_2" and step_2.is_dir()
     assert run.ckpt.on_stop(3) == step_2  # one step after step 2: that one is kept
+    resumed = Run(tmp_path, stop_save_after=2)
+    assert resumed.ckpt.restore() == 2
+    assert resumed.ckpt.on_stop(3) == step_2  # the checkpoint resumed from counts as the last one
     assert Run(tmp_path / "off", stop_save_after=0).ckpt.on_stop(5) is None
     assert not (tmp_path / "off/checkpoints").exists()
 
