@@ -276,6 +276,13 @@ def test_a_conversation_the_chat_template_refuses_is_named_with_the_templates_re
         encode(messages, "hand-written")
 
 
+def test_an_example_of_exactly_a_window_is_kept_whole(tmp_path):
+    assert plain_length(10, 11) == 46 + 1  # the slots of a window of seq_len 46
+    path = write_jsonl(tmp_path / "ex.jsonl", example_records([(10, 11)]))
+    report = build(sft_config(tmp_path, path, seq_len=46, sft_overlong="drop"))[0].dataset.report
+    assert (report.examples, report.dropped_long, report.truncated, report.tokens) == (1, 0, 0, 47)
+
+
 # ---- splits, sources, the loader --------------------------------------------------------------
 def test_validation_by_fraction_or_path_and_gzip(tmp_path):
     records = example_records([(i % 7, 1 + i % 5) for i in range(40)])
