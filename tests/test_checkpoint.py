@@ -245,6 +245,16 @@ def test_interrupted_save_is_ignored_and_cleaned_up(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1", "step_2"]
 
 
+def test_an_export_interrupted_before_clears_its_partial_folder(tmp_path):
+    run = Run(tmp_path)
+    stale = tmp_path / "hf/.tmp-step_1"  # what a crash in the middle of an export leaves
+    stale.mkdir(parents=True)
+    (stale / "tokenizer.json").write_text("{}")  # another tokenizer's: this run's is bytes (none)
+    out = run.ckpt.export_hf(1)
+    assert not stale.exists()
+    assert not list(out.glob("tokenizer*"))
+
+
 def test_saving_a_step_again_replaces_its_checkpoint(tmp_path):
     run = Run(tmp_path)
     run.step()
@@ -266,6 +276,12 @@ def test_keep_last_prunes_older_checkpoints(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_3", "step_4"]
 
 
+def test_every_step_saves_and_exports_with_an_interval_of_one(tmp_path):
+    run = Run(tmp_path, every=1, save_hf_every=1)
+    run.ckpt.after_step(1, total_steps=3)
+    assert (tmp_path / "checkpoints/step_1").is_dir() and (tmp_path / "hf/step_1").is_dir()
+
+
 def test_resume_none_refuses_to_mix_with_existing_checkpoints(tmp_path):
     run = Run(tmp_path)
     run.step()
@@ -285,6 +301,26 @@ def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
     other = r"checkpoint .*step_1 holds a different model \(n_layers: 3 there, 2 here\).*model\.n_layers=3"
     with pytest.raises(CheckpointError, match=other):
         Run(tmp_path).ckpt.restore()
+    step_1 = tmp_path / "checkpoints/step_1"
+    with pytest.raises(CheckpointError) as error:
+        Run(tmp_path / "b", resume=str(step_1)).ckpt.restore()
+    assert str(error.value) == (
+        f"checkpoint.resume={step_1} is another experiment's: checkpoint {step_1} holds a different model "
+        "(n_layers: 3 there, 2 here); to match it, set model.n_layers=3. Resume it with the settings it was "
+        "started with, or leave checkpoint.resume unset")
+
+
+def test_a_stop_saves_when_the_last_checkpoint_or_the_start_is_stop_save_after_steps_back(tmp_path):
+    run = Run(tmp_path, stop_save_after=2)
+    assert run.ckpt.on_stop(1) is None  # one step after the start: nothing saved
+    step_2 = run.ckpt.on_stop(2)
+    assert step_2 == tmp_path / "checkpoints/step_2" and step_2.is_dir()
+    assert run.ckpt.on_stop(3) == step_2  # one step after step 2: that one is kept
+    resumed = Run(tmp_path, stop_save_after=2)
+    assert resumed.ckpt.restore() == 2
+    assert resumed.ckpt.on_stop(3) == step_2  # the checkpoint resumed from counts as the last one
+    assert Run(tmp_path / "off", stop_save_after=0).ckpt.on_stop(5) is None
+    assert not (tmp_path / "off/checkpoints").exists()
 
 
 def test_init_from_a_checkpoint_of_another_model_names_it(tmp_path):

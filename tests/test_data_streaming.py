@@ -5,6 +5,7 @@ bad rows named and skipped or fatal, and token directories independent of the pr
 import gzip
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -80,6 +81,15 @@ def test_stream_resumes_exactly_mid_buffer_and_across_epochs(tmp_path, workers, 
         assert same(take(resumed, 60 - stop), reference[stop:]), stop
 
 
+def test_each_worker_reads_its_own_part_of_the_stream(tmp_path):
+    """With 2 workers, batches 0 and 1 come from readers 0 and 1, whose parts are different files."""
+    corpus(tmp_path / "c")
+    batches = take(build(stream_config(tmp_path / "c", num_workers=2, shuffle_buffer=0))[0], 2)
+    files = [{name[4] for name in re.findall(rb"doc \d-", bytes(b.inputs[b.inputs < 256].tolist()))}
+             for b in batches]
+    assert all(files) and not files[0] & files[1], files
+
+
 def test_stream_state_saved_before_the_shuffle_pool_resumes_exactly(tmp_path):
     corpus(tmp_path / "c")
     cfg = stream_config(tmp_path / "c", shuffle=False)
@@ -105,6 +115,7 @@ def test_stream_packs_the_windows_the_stored_path_packs(tmp_path):
                         cache_dir=str(tmp_path / "cache"))
     stream = take(build(stream_config(tmp_path / "c", shuffle=False))[0], 10)
     assert same(stream, take(build(stored)[0], 10))
+    assert {b.doc_ids.dtype for b in stream} == {torch.int32}  # torch.equal does not compare dtypes
 
 
 def test_state_of_another_reader_count_is_refused(tmp_path):

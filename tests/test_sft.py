@@ -8,12 +8,12 @@ from itertools import islice
 import numpy as np
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from codatrain.config import DataConfig, load_config, validate
 from codatrain.data import build_loaders
-from codatrain.data.sft import SFTWindows, make_encoder, to_messages
+from codatrain.data.sft import SFTWindows, generation_prompt, make_encoder, to_messages
 from codatrain.data.tokenizer import ByteTokenizer, load_tokenizer
 from codatrain.model.llama import IGNORE_INDEX
 
@@ -105,13 +105,46 @@ def test_chat_template_targets_the_assistant_turns_as_the_template_writes_them(t
     assert make_encoder(cfg, load_tokenizer(cfg.tokenizer))[1] == "the plain template"
 
 
-def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path):
-    # Renders the turn count first: a longer conversation is no extension of a shorter one.
-    chat_tokenizer(tmp_path / "tok", "{{ messages | length }}" + CHATML)
+@pytest.mark.parametrize("template", [
+    "{{ messages | length }}" + CHATML,  # the turn count first: the start of the text changes
+    # a last assistant turn ends in another marker: the turns through an assistant's are no prefix
+    CHATML.replace("<|im_end|> {% endfor %}", "{% if loop.last and m['role'] == 'assistant' %}</s>"
+                                              "{% else %}<|im_end|> {% endif %}{% endfor %}"),
+])
+def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path, template):
+    chat_tokenizer(tmp_path / "tok", template)
     cfg = DataConfig(format="sft", source="files", tokenizer=str(tmp_path / "tok"))
     encode = make_encoder(cfg, load_tokenizer(cfg.tokenizer))[0]
-    with pytest.raises(ValueError, match="row 3: .*data.sft_template=plain"):
+    with pytest.raises(ValueError) as error:
         encode(CONVERSATION, "row 3")
+    assert str(error.value) == (
+        "row 3: the tokenizer's chat template does not render a conversation as the rendering of its first "
+        "turns plus more text, so the assistant's tokens cannot be found; use data.sft_template=plain")
+
+
+def test_the_rendered_text_is_tokenized_without_the_tokenizers_own_bos(tmp_path):
+    """The template writes every special token; a tokenizer that prepends BOS must not add another,
+    in fine-tuning examples and generation prompts alike."""
+    words = chat_tokenizer(tmp_path / "tok")
+    file = str(tmp_path / "tok/tokenizer.json")
+    tok = Tokenizer.from_file(file)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    tok.save(file)
+    cfg = DataConfig(format="sft", source="files", tokenizer=str(tmp_path / "tok"))
+    example = make_encoder(cfg, load_tokenizer(cfg.tokenizer))[0](CONVERSATION, "row 3")
+    assert words[example.tokens[0]] == "<|im_start|>" and bos not in example.tokens
+    prompt = generation_prompt(CONVERSATION[:2], cfg.tokenizer, load_tokenizer(cfg.tokenizer))[0]
+    assert words[prompt[0]] == "<|im_start|>" and bos not in prompt
+
+
+def test_assistant_turns_a_template_does_not_write_have_no_targets(tmp_path):
+    # No assistant turn and no generation prompt: the text through an assistant turn is the text before it.
+    template = "{% for m in messages if m['role'] != 'assistant' %}<|im_start|>{{ m['role'] }} {% endfor %}"
+    chat_tokenizer(tmp_path / "tok", template)
+    cfg = DataConfig(format="sft", source="files", tokenizer=str(tmp_path / "tok"))
+    example = make_encoder(cfg, load_tokenizer(cfg.tokenizer))[0](CONVERSATION, "row 3")
+    assert len(example.tokens) and not example.is_target.any()
 
 
 # ---- bad records --------------------------------------------------------------------------------
@@ -130,6 +163,21 @@ def test_bad_records_name_the_file_and_line(tmp_path, record, message):
     path = write_jsonl(tmp_path / "bad.jsonl", [good, good, record])
     with pytest.raises(ValueError, match=rf"bad.jsonl line 3: {message}"):
         build(sft_config(tmp_path, path))
+
+
+def test_a_file_that_is_not_json_lines_is_named(tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a record\n")
+    with pytest.raises(ValueError) as error:
+        build(sft_config(tmp_path, notes))
+    assert str(error.value) == (f"data path {str(notes)!r}: {notes} is not a JSON-lines file "
+                                "(.jsonl, .json, .jsonl.gz, .json.gz)")
+
+
+def test_blank_lines_between_records_are_skipped(tmp_path):
+    path = write_jsonl(tmp_path / "ex.jsonl", [{"prompt": "p", "response": "r"}, "", "  ",
+                                                {"prompt": "q", "response": "s"}])
+    assert build(sft_config(tmp_path, path))[0].dataset.report.examples == 2
 
 
 def test_format_sft_needs_files_or_hub():
@@ -161,6 +209,11 @@ def test_examples_are_packed_whole_with_document_ids_and_padding_ignored(tmp_pat
     batches = list(islice(train, 3))
     first = batches[0]
     assert first.doc_ids[0].tolist() == [0] * 31 + [1] * 28 + [2] * 5  # padding is a document of its own
+    assert windows[0].doc_ids.dtype == np.int32  # as pretraining's windows give them
+    assert windows[1].doc_ids.tolist() == [0] * 33 + [1] * 31  # ids count from each window's first example
+    for outside in (-1, 3):
+        with pytest.raises(IndexError, match=f"^window {outside} of 3$"):
+            windows[outside]
     assert (first.inputs[0, 59:] == EOS).all()
     targets = first.targets[0]
     # Targets: each response and its EOS, never the next example's first token nor padding.
@@ -191,6 +244,43 @@ def test_overlong_examples_are_truncated_or_dropped_and_counted(tmp_path):
     with pytest.raises(ValueError, match="none of the 1 examples has a target"):
         build(sft_config(tmp_path, write_jsonl(tmp_path / "one.jsonl", example_records([(40, 5)])),
                          seq_len=46))
+
+
+def test_a_generation_prompt_is_the_conversation_then_the_assistants_turn_opened(tmp_path):
+    words = chat_tokenizer(tmp_path / "tok")
+    ids = {word: i for i, word in words.items()}
+    messages = [{"role": "user", "content": "what is two"}]
+    folder = str(tmp_path / "tok")
+    prompt, template = generation_prompt(messages, folder, load_tokenizer(folder))
+    assert template == "the tokenizer's chat template"
+    assert prompt == [ids[w] for w in ("<|im_start|>", "user", "what", "is", "two", "<|im_end|>",
+                                       "<|im_start|>", "assistant")]
+    prompt, template = generation_prompt(messages, "byte", ByteTokenizer())
+    assert template == "the plain template"
+    assert prompt == [BOS, *b"<|user|>\nwhat is two", EOS, *b"<|assistant|>\n"]
+
+
+@pytest.mark.parametrize("refused", ["== 4", "== 1 and add_generation_prompt",
+                                     "== 2 and not add_generation_prompt"])
+def test_a_conversation_the_chat_template_refuses_is_named_with_the_templates_reason(tmp_path, refused):
+    """The whole conversation, the turns before an assistant's with the generation prompt, or those
+    through it: whichever rendering the template refuses, the error names the record."""
+    chat_tokenizer(tmp_path / "tok", CHATML.replace(
+        "{% for", f"{{% if messages|length {refused} %}}{{{{ raise_exception('no: ' ~ messages|length) }}}}"
+        "{% endif %}{% for", 1))
+    cfg = DataConfig(format="sft", source="files", tokenizer=str(tmp_path / "tok"))
+    encode = make_encoder(cfg, load_tokenizer(cfg.tokenizer))[0]
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}] * 2
+    with pytest.raises(ValueError, match=r"^hand-written: the tokenizer's chat template refused the "
+                                         r"conversation: no: \d$"):
+        encode(messages, "hand-written")
+
+
+def test_an_example_of_exactly_a_window_is_kept_whole(tmp_path):
+    assert plain_length(10, 11) == 46 + 1  # the slots of a window of seq_len 46
+    path = write_jsonl(tmp_path / "ex.jsonl", example_records([(10, 11)]))
+    report = build(sft_config(tmp_path, path, seq_len=46, sft_overlong="drop"))[0].dataset.report
+    assert (report.examples, report.dropped_long, report.truncated, report.tokens) == (1, 0, 0, 47)
 
 
 # ---- splits, sources, the loader --------------------------------------------------------------
@@ -224,6 +314,23 @@ def test_hub_datasets_go_through_the_datasets_loader(tmp_path):
     write_jsonl(bad / "train.jsonl", [{"messages": CONVERSATION}, unknown_role])
     with pytest.raises(ValueError, match=r"\[train\] row 1: message 0 has the unknown role 'x'"):
         build(sft_config(tmp_path, str(bad), source="hub", cache_dir=str(tmp_path / "cache")))
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_hub_dataset_is_read_in_the_config_and_mode_asked_for_into_its_cache(tmp_path, streaming):
+    repo = tmp_path / "repo"  # two configurations, the first the default
+    configs = {"a": [{"prompt": "a", "response": "A"}], "b": [{"messages": CONVERSATION}] * 2}
+    for config, records in configs.items():
+        (repo / config).mkdir(parents=True)
+        write_jsonl(repo / config / "train.jsonl", records)
+    (repo / "README.md").write_text("---\nconfigs:\n- config_name: a\n  data_files: a/*.jsonl\n"
+                                    "  default: true\n- config_name: b\n  data_files: b/*.jsonl\n---\n")
+    cache = tmp_path / "cache"
+    train, _ = build(sft_config(tmp_path, str(repo), source="hub", name="b", split="train", seq_len=128,
+                                streaming=streaming, cache_dir=str(cache)))
+    assert train.dataset.report.examples == 2
+    # A stream is read as it goes; otherwise the split is prepared once, as Arrow files in the cache.
+    assert bool(list(cache.rglob("*.arrow"))) is not streaming
 
 
 def test_ranks_split_the_windows_and_resume_continues_exactly(tmp_path):
