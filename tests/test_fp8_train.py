@@ -72,12 +72,14 @@ def test_checkpoints_move_between_fp8_bf16_and_eager_runs(tmp_path, runs):
 def test_two_fsdp_processes_share_one_history_that_resumes_on_one(tmp_path, run_torchrun):
     """Two FSDP2 ranks max their amaxes into one history (gloo), saved once in the checkpoint; one
     process resumes it (2 micro-batches a step instead of 2 ranks)."""
-    common = [*FAST, *FP8, "train.steps=4"]
+    # Validation right before each save, as the README's torchrun command runs: evaluation records no amax.
+    common = [*FAST, *FP8, "train.steps=4", "train.val_every=2"]
     proc = run_torchrun(2, [*common, "checkpoint.every=2", f"train.run_dir={tmp_path / 'two'}"])
+    assert "step 2/4 | val loss" in proc.stdout and "saved checkpoint" in proc.stdout
     assert "2 × cpu" in proc.stdout and "layer GEMMs in fp8" in proc.stdout
     two = read_losses(tmp_path / "two")
     resume = f"checkpoint.resume={tmp_path / 'two/checkpoints/step_2'}"
-    one = run(tmp_path / "one", *FP8, "train.steps=4", resume)
+    one = run(tmp_path / "one", *FP8, "train.steps=4", "train.val_every=2", resume)
     assert "starting a fresh one" not in (tmp_path / "one" / LOG_FILE).read_text()
     # Measured: step 3 equal, step 4 within 6e-4 (the gradient sums' order differs; a scale that
     # moves with it puts every value on another FP8 grid).
@@ -138,6 +140,11 @@ def test_the_plan_takes_fp8_on_the_cute_stages_at_widths_of_whole_fp8_rows_and_n
                                          r"block.backend=cute: FP8 operands move in 16-byte rows, so it must "
                                          r"be a multiple of 16 \(nearest: 2048 or 2064\)$"):
         build_run_plan(validate(load_config([*cute, "model=llama3_125m", "model.ffn_dim=2056"])), None)
+    with pytest.raises(ValueError, match=r"^train.micro_batch_size × data.seq_len = 1000 tokens does not run "
+                                         r"with block.precision=fp8 on block.backend=cute: it must be a "
+                                         r"multiple of 16$"):
+        build_run_plan(validate(load_config([*cute, "model=llama3_125m", "train.micro_batch_size=2",
+                                             "data.seq_len=500"])), None)
     plan = build_run_plan(validate(load_config([*FP8, "block.fp8_grad_format=e4m3", "block.fp8_margin=1"])),
                           torch.device("cpu"))
     assert plan.fp8.margin == 1 and plan.fp8.grad_dtype == torch.float8_e4m3fn

@@ -17,7 +17,7 @@ from codatrain.config import AUTO_REPLICATE, BlockConfig, ParallelConfig, Precis
 from codatrain.data.config import DataConfig
 from codatrain.kernels.cache import KernelShapes
 from codatrain.kernels.fp8 import GRAD_FORMATS, Fp8Recipe
-from codatrain.kernels.resolve import ResolvedBlock, resolve_block
+from codatrain.kernels.resolve import FP8_ROW_MULTIPLE, ResolvedBlock, resolve_block
 from codatrain.model.config import LlamaConfig
 from codatrain.train.float8 import float8_problem
 from codatrain.train.hf_io import run_model_config, run_tokenizer
@@ -126,6 +126,12 @@ def build_run_plan(run: RunConfig, device: torch.device | None, world_size: int 
     if problem:
         raise ValueError(problem)
     tcfg = run.train
+    micro_batch_tokens = tcfg.micro_batch_size * data.seq_len
+    if fp8 is not None and block.cute_stages and micro_batch_tokens % FP8_ROW_MULTIPLE:
+        # The weight gradients read the tokens as FP8 rows too (docs/design.md §3, FP8).
+        raise ValueError(f"train.micro_batch_size × data.seq_len = {micro_batch_tokens} tokens does not run "
+                         "with block.precision=fp8 on block.backend=cute: it must be a multiple of "
+                         f"{FP8_ROW_MULTIPLE}")
     tokens_per_micro_step = tcfg.micro_batch_size * data.seq_len * world_size
     tokens_per_step = tcfg.tokens_per_step or tokens_per_micro_step
     if tokens_per_step % tokens_per_micro_step:
