@@ -29,7 +29,7 @@ from codatrain.kernels.cute import (
 )
 from codatrain.kernels.cute.common import empty, padded_width, rows_of_whole_vectors
 from codatrain.kernels.cute.fp8_bwd_stages import fp8_mm, k_major_t
-from codatrain.kernels.cute.quantize import quantize_fp8, quantize_to
+from codatrain.kernels.cute.quantize import quantize_to
 from codatrain.kernels.fp8 import Fp8Tensor, QuantizeTo, fp8_max, scale_from_amax
 from codatrain.kernels.stages import (
     IGNORE_INDEX,
@@ -140,10 +140,7 @@ class CuteStages(StageBackend):
         if h_fp8 is not None:
             # Current scaling: the epilogue's max |h| partials give the scale for one quantize pass.
             scale = scale_from_amax(h_amax, fp8_max(h_fp8.dtype), h_fp8.margin)
-            h8, row_amax = (torch.empty_like(h, dtype=h_fp8.dtype),
-                            torch.empty(h.shape[0], dtype=STAT, device=h.device))
-            quantize_fp8(h, scale, h8, row_amax)
-            return ResidualOut(x, Fp8Tensor(h8, scale, residual.dtype, h_amax), sq)
+            return ResidualOut(x, quantize_to(h, QuantizeTo(h_fp8.dtype, scale)), sq)
         return ResidualOut(x, h, sq)
 
     def rstd_from_partials(self, sq_partials: torch.Tensor, *, dim: int, eps: float) -> torch.Tensor:
