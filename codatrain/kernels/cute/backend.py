@@ -298,7 +298,7 @@ class CuteStages(StageBackend):
         m, d = x.shape
         out = RmsBwdOut(empty(m, d, like=x), empty(m, d, like=x),
                         empty(gemm_bwd_stages.rms_bwd_row_tiles(m, "fp8_rms_bwd"), d, like=x, dtype=STAT))
-        fp8_bwd_stages.fp8_gemm_rms_bwd(dz.data, k_major_t(weight.data), _ab_inv_scale(dz, weight), x, gamma,
+        fp8_bwd_stages.fp8_gemm_rms_bwd(dz.data, k_major_t(weight), _ab_inv_scale(dz, weight), x, gamma,
                                         rstd, zdz, residual_grad, *out)
         return out
 
@@ -328,7 +328,7 @@ class CuteStages(StageBackend):
         if isinstance(dout, Fp8Tensor):
             _check_fp8("gemm_dswiglu", dout, weight)
             _check_activations("gemm_dswiglu", preact)
-            fp8_bwd_stages.fp8_gemm_dswiglu(dout.data, k_major_t(weight.data), _ab_inv_scale(dout, weight),
+            fp8_bwd_stages.fp8_gemm_dswiglu(dout.data, k_major_t(weight), _ab_inv_scale(dout, weight),
                                             preact, *out)
         else:
             _check_activations("gemm_dswiglu", dout, weight, preact)
@@ -338,7 +338,7 @@ class CuteStages(StageBackend):
     def dgrad(self, dz: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if isinstance(dz, Fp8Tensor):
             _check_fp8("dgrad", dz, weight)
-            return fp8_mm(dz.data, dz.scale.reciprocal(), k_major_t(weight.data), weight.scale.reciprocal(),
+            return fp8_mm(dz.data, dz.scale.reciprocal(), k_major_t(weight), weight.scale.reciprocal(),
                           dz.dtype)
         _check_activations("dgrad", dz, weight)
         return gemm_bwd_stages.dgrad(dz, weight)
@@ -351,7 +351,7 @@ class CuteStages(StageBackend):
                 raise ValueError("cute wgrad: FP8 operands do not accumulate into a sum")
             _check_fp8("wgrad", dz, a)
             # Both operands contract over the tokens: token-contiguous copies of each.
-            return fp8_mm(k_major_t(dz.data), dz.scale.reciprocal(), k_major_t(a.data), a.scale.reciprocal(),
+            return fp8_mm(k_major_t(dz), dz.scale.reciprocal(), k_major_t(a), a.scale.reciprocal(),
                           dz.dtype)
         _check_activations("wgrad", dz, a)
         if accumulate_into is None:
