@@ -139,8 +139,12 @@ class CuteStages(StageBackend):
             return ResidualOut(x, Fp8Tensor(h, h_scale, residual.dtype, h_amax), sq)
         if h_fp8 is not None:
             # Current scaling: the epilogue's max |h| partials give the scale for one quantize pass.
+            # They are of h before its rounding to 16 bits, so the tensor carries that amax, the one
+            # its scale came from (rounding moves |h| by at most half a bf16 ulp: h·scale still
+            # rounds to at most FP8's max).
             scale = scale_from_amax(h_amax, fp8_max(h_fp8.dtype), h_fp8.margin)
-            return ResidualOut(x, quantize_to(h, QuantizeTo(h_fp8.dtype, scale)), sq)
+            h_q = quantize_to(h, QuantizeTo(h_fp8.dtype, scale))
+            return ResidualOut(x, Fp8Tensor(h_q.data, scale, h_q.dtype, h_amax, h_q.data_t), sq)
         return ResidualOut(x, h, sq)
 
     def rstd_from_partials(self, sq_partials: torch.Tensor, *, dim: int, eps: float) -> torch.Tensor:
