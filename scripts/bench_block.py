@@ -593,8 +593,9 @@ def fp8_fns(s: StageBackend, x: Inputs) -> dict[str, dict[str, Callable]]:
     }
 
 
+# Cooperative (tile_m, tile_n, cluster_m, cluster_n).
 FP8_CANDIDATES = [(128, 128, 2, 1), (128, 128, 1, 2), (128, 192, 2, 1), (128, 192, 1, 2), (128, 256, 2, 1),
-                  (256, 128, 1, 2)]  # cooperative (tile_m, tile_n, cluster_m, cluster_n)
+                  (128, 256, 1, 2), (256, 128, 1, 2), (256, 128, 2, 1)]
 
 
 def overridden_call(key: str, config: object, fn: Callable) -> Callable:
@@ -608,9 +609,11 @@ def overridden_call(key: str, config: object, fn: Callable) -> Callable:
     return call
 
 
-def fp8_sweep(s: StageBackend, x: Inputs, device: torch.device, warmup: int, iters: int) -> dict:
-    """Each FP8 GEMM stage under each cooperative candidate tile (`FP8_CANDIDATES`), timed
-    interleaved with the stage's `_scaled_mm` tensorwise; a candidate that fails is reported."""
+def fp8_sweep(s: StageBackend, x: Inputs, device: torch.device, warmup: int, iters: int,
+              stages: list[str]) -> dict:
+    """Each FP8 GEMM stage (those named in `stages`, or all) under each cooperative candidate tile
+    (`FP8_CANDIDATES`), timed interleaved with the stage's `_scaled_mm` tensorwise; a candidate
+    that fails is reported."""
     from codatrain.kernels.cute import configs
 
     keys = {"F1": "fp8_residual_rms", "F2": "fp8_rstd_swiglu", "F3": "fp8_residual_rms",
@@ -619,7 +622,7 @@ def fp8_sweep(s: StageBackend, x: Inputs, device: torch.device, warmup: int, ite
     results = {}
     for name, fns in fp8_fns(s, x).items():
         stage = name.split()[0]
-        if stage not in keys:
+        if stage not in keys or (stages and stage not in stages):
             continue
         timed = {"_scaled_mm tensorwise": fns["_scaled_mm tensorwise"]}
         for tm, tn, cm, cn in FP8_CANDIDATES:
@@ -673,8 +676,9 @@ def main() -> None:
                         "none: only --sweep / --ablate")
     p.add_argument("--head-chunks", type=int, nargs="+",
                    help="head section: chunk rows to time (default: the backend's head_chunk_rows)")
-    p.add_argument("--fp8-sweep", action="store_true",
-                   help="fp8 section: also time each FP8 GEMM stage under candidate cooperative tiles")
+    p.add_argument("--fp8-sweep", nargs="*", metavar="STAGE",
+                   help="fp8 section: also time FP8 GEMM stages (F1..F4, Bdswiglu, Brms_gu, Brms_qkv; "
+                        "none named: all) under candidate cooperative tiles")
     p.add_argument("--json", type=Path, help="write the measurements to this file")
     args = p.parse_args()
     if args.tokens % args.seq_len:
@@ -762,8 +766,8 @@ def main() -> None:
             base = next(ms for key, ms in times.items() if key != "stage")
             parts = (f"{key} {ms:.3f} ms ({ms / base:.3f}x)" for key, ms in times.items())
             print(f"{name:40s} " + "  ".join(parts), flush=True)
-        if args.fp8_sweep:
-            results["fp8_sweep"] = fp8_sweep(s, x, device, args.warmup, args.iters)
+        if args.fp8_sweep is not None:
+            results["fp8_sweep"] = fp8_sweep(s, x, device, args.warmup, args.iters, args.fp8_sweep)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

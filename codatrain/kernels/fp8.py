@@ -49,6 +49,10 @@ class QuantizeTo(NamedTuple):
     dtype: torch.dtype  # E4M3 or E5M2
     scale: torch.Tensor | None
     margin: int = 0  # current scaling only: a delayed scale has its margin in it
+    # Also write the transposed copy (`Fp8Tensor.data_t`): the operand of an FP8 GEMM that
+    # contracts over its rows (a weight's dgrad, a weight gradient's token-contiguous operands).
+    # A layout request only; the values are the same.
+    transposed: bool = False
 
 
 class Fp8Tensor(NamedTuple):
@@ -59,6 +63,7 @@ class Fp8Tensor(NamedTuple):
     scale: torch.Tensor  # 0-d fp32
     dtype: torch.dtype
     amax: torch.Tensor | None = None  # 0-d fp32: max |x| of the values quantized, from the producer
+    data_t: torch.Tensor | None = None  # data's transpose, contiguous, when the producer wrote one
 
     @property
     def shape(self) -> torch.Size:
@@ -66,7 +71,7 @@ class Fp8Tensor(NamedTuple):
 
     def t(self) -> Fp8Tensor:
         """The transposed operand (same scale)."""
-        return self._replace(data=self.data.t())
+        return self._replace(data=self.data.t(), data_t=None)
 
     def dequantize(self) -> torch.Tensor:
         """data / scale in fp32."""
@@ -136,6 +141,9 @@ class Operand(IntEnum):
 GRAD_OPERANDS = frozenset({Operand.qkv_grad, Operand.out_grad, Operand.gate_up_grad, Operand.down_grad})
 # The operands that only a weight gradient reads (in FP8 only with `Fp8Recipe.wgrad_fp8`).
 WGRAD_ONLY_OPERANDS = frozenset({Operand.qkv_wgrad_in, Operand.gate_up_wgrad_in})
+# The operands an FP8 weight gradient reads, token-contiguous (the forward's y is not one: the
+# backward recomputes y, and asks for that copy's transpose itself).
+WGRAD_OPERANDS = GRAD_OPERANDS | WGRAD_ONLY_OPERANDS | {Operand.out_in}
 
 
 @dataclass(frozen=True)
@@ -158,8 +166,8 @@ class Fp8Recipe:
         return [op for op in Operand if op not in unused]
 
     def weight(self) -> QuantizeTo:
-        """How a weight is quantized: e4m3, its own current amax."""
-        return QuantizeTo(E4M3, None, self.margin)
+        """How a weight is quantized: e4m3, its own current amax, and transposed for its dgrad."""
+        return QuantizeTo(E4M3, None, self.margin, transposed=True)
 
     def describe(self) -> str:
         grads = {v: k for k, v in GRAD_FORMATS.items()}[self.grad_dtype]
@@ -187,7 +195,8 @@ class Fp8Step:
 
     def to(self, layer: int, operand: Operand) -> QuantizeTo:
         scale = None if self.scales is None else self.scales[layer, operand]
-        return QuantizeTo(self.recipe.format_of(operand), scale, self.recipe.margin)
+        transposed = self.recipe.wgrad_fp8 and operand in WGRAD_OPERANDS
+        return QuantizeTo(self.recipe.format_of(operand), scale, self.recipe.margin, transposed)
 
     def record(self, layer: int, operand: Operand, quantized: Fp8Tensor) -> None:
         if self.step_amax is not None:

@@ -181,7 +181,7 @@ def _mlp_backward(
     fp8_args = {}
     if wgrad_fp8:
         o = Fp8Tensor(o, o_scale, x1.dtype)
-        fp8_args = {"y_fp8": QuantizeTo(f.recipe.format_of(Operand.down_in), y_scale),
+        fp8_args = {"y_fp8": QuantizeTo(f.recipe.format_of(Operand.down_in), y_scale, transposed=True),
                     **_fp8_arg(f, layer, Operand.gate_up_grad, "dpreact_fp8")}
     dpreact, y, zdz = s.gemm_dswiglu(dx2_operand, wq_down, preact, **fp8_args)
     dw_down = s.wgrad(dx2_operand if wgrad_fp8 else dx2, y)

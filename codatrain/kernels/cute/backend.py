@@ -139,8 +139,12 @@ class CuteStages(StageBackend):
             return ResidualOut(x, Fp8Tensor(h, h_scale, residual.dtype, h_amax), sq)
         if h_fp8 is not None:
             # Current scaling: the epilogue's max |h| partials give the scale for one quantize pass.
+            # They are of h before its rounding to 16 bits, so the tensor carries that amax, the one
+            # its scale came from (rounding moves |h| by at most half a bf16 ulp: h·scale still
+            # rounds to at most FP8's max).
             scale = scale_from_amax(h_amax, fp8_max(h_fp8.dtype), h_fp8.margin)
-            return ResidualOut(x, quantize_to(h, QuantizeTo(h_fp8.dtype, scale)), sq)
+            h_q = quantize_to(h, QuantizeTo(h_fp8.dtype, scale))
+            return ResidualOut(x, Fp8Tensor(h_q.data, scale, h_q.dtype, h_amax, h_q.data_t), sq)
         return ResidualOut(x, h, sq)
 
     def rstd_from_partials(self, sq_partials: torch.Tensor, *, dim: int, eps: float) -> torch.Tensor:
@@ -298,7 +302,7 @@ class CuteStages(StageBackend):
         m, d = x.shape
         out = RmsBwdOut(empty(m, d, like=x), empty(m, d, like=x),
                         empty(gemm_bwd_stages.rms_bwd_row_tiles(m, "fp8_rms_bwd"), d, like=x, dtype=STAT))
-        fp8_bwd_stages.fp8_gemm_rms_bwd(dz.data, k_major_t(weight.data), _ab_inv_scale(dz, weight), x, gamma,
+        fp8_bwd_stages.fp8_gemm_rms_bwd(dz.data, k_major_t(weight), _ab_inv_scale(dz, weight), x, gamma,
                                         rstd, zdz, residual_grad, *out)
         return out
 
@@ -328,7 +332,7 @@ class CuteStages(StageBackend):
         if isinstance(dout, Fp8Tensor):
             _check_fp8("gemm_dswiglu", dout, weight)
             _check_activations("gemm_dswiglu", preact)
-            fp8_bwd_stages.fp8_gemm_dswiglu(dout.data, k_major_t(weight.data), _ab_inv_scale(dout, weight),
+            fp8_bwd_stages.fp8_gemm_dswiglu(dout.data, k_major_t(weight), _ab_inv_scale(dout, weight),
                                             preact, *out)
         else:
             _check_activations("gemm_dswiglu", dout, weight, preact)
@@ -338,7 +342,7 @@ class CuteStages(StageBackend):
     def dgrad(self, dz: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if isinstance(dz, Fp8Tensor):
             _check_fp8("dgrad", dz, weight)
-            return fp8_mm(dz.data, dz.scale.reciprocal(), k_major_t(weight.data), weight.scale.reciprocal(),
+            return fp8_mm(dz.data, dz.scale.reciprocal(), k_major_t(weight), weight.scale.reciprocal(),
                           dz.dtype)
         _check_activations("dgrad", dz, weight)
         return gemm_bwd_stages.dgrad(dz, weight)
@@ -351,7 +355,7 @@ class CuteStages(StageBackend):
                 raise ValueError("cute wgrad: FP8 operands do not accumulate into a sum")
             _check_fp8("wgrad", dz, a)
             # Both operands contract over the tokens: token-contiguous copies of each.
-            return fp8_mm(k_major_t(dz.data), dz.scale.reciprocal(), k_major_t(a.data), a.scale.reciprocal(),
+            return fp8_mm(k_major_t(dz), dz.scale.reciprocal(), k_major_t(a), a.scale.reciprocal(),
                           dz.dtype)
         _check_activations("wgrad", dz, a)
         if accumulate_into is None:

@@ -7,7 +7,8 @@ of the backward needs its FP8 operands in the orientation of its contraction:
 - dgrad dz·W contracts over the weight's rows: it reads Wᵀ, a transposed FP8 copy of the weight.
 - wgrad dzᵀ·a contracts over the tokens: it reads dzᵀ and aᵀ, token-contiguous FP8 copies.
 
-`k_major_t` makes those copies (one pass over FP8 bytes). The fused stages (the RMSNorm backward
+The producers write those copies beside the row-major ones when asked (`QuantizeTo.transposed`,
+`quantize.quantize_transpose_fp8`); `k_major_t` takes them. The fused stages (the RMSNorm backward
 in the norm consumer's dgrad, dSwiGLU in the down-projection's dgrad) are QuACK GEMMs with FP8
 operands and the bf16 stages' epilogues, the accumulator first multiplied by 1/(s_a·s_b) (a 0-d
 device tensor, QuACK `Scalar`); the plain dgrad and wgrad are cuBLAS FP8 GEMMs (`torch._scaled_mm`,
@@ -26,12 +27,14 @@ from torch import Tensor
 from codatrain.kernels.cute.common import aligned16
 from codatrain.kernels.cute.configs import gemm_config
 from codatrain.kernels.cute.pins import scaled_mm
+from codatrain.kernels.fp8 import Fp8Tensor
 
 
-def k_major_t(data: Tensor) -> Tensor:
-    """The transpose of an FP8 matrix (R, C) as a contiguous (C, R) tensor: the K-major copy an
-    FP8 GEMM that contracts over R reads. A no-op when `data` is already such a transposed view."""
-    return data.t().contiguous()
+def k_major_t(operand: Fp8Tensor) -> Tensor:
+    """The transpose of an FP8 operand's (R, C) data as a contiguous (C, R) tensor: the K-major
+    copy an FP8 GEMM that contracts over R reads. The producer's own (`QuantizeTo.transposed`), or
+    else a copy by torch (slow: docs/benchmarks.md)."""
+    return operand.data_t if operand.data_t is not None else operand.data.t().contiguous()
 
 
 # ---- RMSNorm backward in the consumer's FP8 dgrad --------------------------------------------------

@@ -111,25 +111,6 @@ def quantize_fp8_outputs(x: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Ten
             torch.empty(x.shape[0], dtype=torch.float32, device=x.device))
 
 
-def quantize_to(x: Tensor, to: QuantizeTo, dtype: torch.dtype | None = None) -> Fp8Tensor:
-    """x (any shape, its last dim contiguous rows) as the `Fp8Tensor` `to` asks for, standing for
-    `dtype` (default x's), with the amax of its values (`codatrain.kernels.fp8.quantize`'s rule).
-
-    A delayed scale is known before the pass, so the pass also yields the amax (its row maxima);
-    current scaling (`to.scale` None: weights, and a run's first step) reads x once more first."""
-    rows = x.reshape(-1, x.shape[-1])
-    out, row_amax = quantize_fp8_outputs(rows, to.dtype)
-    if to.scale is None:
-        amax = rows.abs().amax().float()
-        scale = scale_from_amax(amax, fp8_max(to.dtype), to.margin)
-        quantize_fp8(rows, scale, out, row_amax)
-    else:
-        scale = to.scale
-        quantize_fp8(rows, scale, out, row_amax)
-        amax = row_amax.amax()
-    return Fp8Tensor(out.view(x.shape), scale, dtype or x.dtype, amax)
-
-
 # ---- quantize into both orientations ---------------------------------------------------------------
 # An FP8 GEMM on sm_90 reads both operands contiguous along its contraction: a weight gradient
 # (contracting over the tokens) needs token-contiguous copies of its operands, a dgrad the
@@ -244,3 +225,29 @@ def quantize_transpose_fp8(
     compiled = compile_quantize_transpose(torch2cute_dtype_map[x.dtype], torch2cute_dtype_map[out_t.dtype],
                                           out is not None)
     compiled(x, scale.reshape(1), out, out_t, tile_amax)
+
+
+def quantize_to(x: Tensor, to: QuantizeTo, dtype: torch.dtype | None = None) -> Fp8Tensor:
+    """x (any shape, its last dim contiguous rows) as the `Fp8Tensor` `to` asks for, standing for
+    `dtype` (default x's), with the amax of its values (`codatrain.kernels.fp8.quantize`'s rule).
+
+    A delayed scale is known before the pass, so the pass also yields the amax (its row or tile
+    maxima); current scaling (`to.scale` None: weights, and a run's first step) reads x once more
+    first. With `to.transposed`, one pass writes both orientations (`quantize_transpose_fp8`)."""
+    rows = x.reshape(-1, x.shape[-1])
+    current = to.scale is None
+    # max |x| in one reduction (no |x| temporary); exact in x's dtype, NaN when one is.
+    amax = torch.linalg.vector_norm(rows, float("inf")).float() if current else None
+    scale = scale_from_amax(amax, fp8_max(to.dtype), to.margin) if current else to.scale
+    out = torch.empty(rows.shape, dtype=to.dtype, device=x.device)
+    if to.transposed:
+        out_t = torch.empty(rows.shape[1], rows.shape[0], dtype=to.dtype, device=x.device)
+        tile_amax = torch.empty(transpose_tiles(*rows.shape), dtype=torch.float32, device=x.device)
+        quantize_transpose_fp8(rows, scale, out, out_t, tile_amax)
+        partial_amax = tile_amax
+    else:
+        out_t, partial_amax = None, torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
+        quantize_fp8(rows, scale, out, partial_amax)
+    return Fp8Tensor(out.view(x.shape), scale, dtype or x.dtype, amax if current else partial_amax.amax(),
+                     out_t)
+
