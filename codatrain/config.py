@@ -136,9 +136,10 @@ class BlockConfig:
     fp8_history_len: int = 16  # precision=fp8: steps of amax history a delayed scale looks back over
     fp8_margin: int = 0  # precision=fp8: scales divided by 2**margin, headroom for a growing amax
     fp8_grad_format: Fp8GradFormat = Fp8GradFormat.e5m2  # precision=fp8: the gradients' FP8 format
-    # precision=fp8: the weight gradients in FP8 too (token-contiguous FP8 copies of their operands);
-    # false: in the compute dtype, from the tensors the backward has anyway.
-    fp8_wgrad: bool = False
+    # precision=fp8: the weight gradients in FP8 too (token-contiguous FP8 copies of their operands,
+    # written by the quantize passes); false: in the compute dtype, from the tensors the backward
+    # has anyway (slower on the cute stages: docs/benchmarks.md).
+    fp8_wgrad: bool = True
 
     def __post_init__(self) -> None:
         if self.impl != BlockImpl.coda:

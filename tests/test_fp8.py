@@ -75,7 +75,8 @@ def test_delayed_scales_come_from_the_history_of_earlier_steps_only():
     scaling = Fp8Scaling(Fp8Recipe(history_len=2, margin=1), n_layers=1)
     assert scaling.scales is None  # the first step: every tensor scales by its own current amax
     step = scaling.step_view(record=True)
-    assert step.to(0, Operand.qkv_grad) == QuantizeTo(E5M2, None, 1)
+    # A gradient the FP8 weight gradient reads token-contiguous: quantized into both orientations.
+    assert step.to(0, Operand.qkv_grad) == QuantizeTo(E5M2, None, 1, transposed=True)
     for amax in (3.0, 7.0):  # two micro-batches: the step records their max
         step.record(0, Operand.down_in, fp8.quantize(torch.tensor([amax]), step.to(0, Operand.down_in)))
     scaling.commit_step()

@@ -121,8 +121,8 @@ def test_a_nonfinite_amax_skips_the_update_and_keeps_the_history(tmp_path, monke
      r"^block.precision=fp8 is the FP8 CODA block \(block=coda\), not block=eager; the eager model's FP8 is "
      r"torchao's: train.float8=tensorwise or rowwise with block=eager$"),
     (["block=liger", "block.precision=fp8"], r"not block=liger"),
-    ([*CODA, "block.fp8_wgrad=true"],
-     r"^block.fp8_wgrad=True sets the FP8 recipe; it needs block.precision=fp8$"),
+    ([*CODA, "block.fp8_wgrad=false"],
+     r"^block.fp8_wgrad=False sets the FP8 recipe; it needs block.precision=fp8$"),
     ([*CODA, "block.fp8_margin=1"],
      r"^block.fp8_margin=1 sets the FP8 recipe; it needs block.precision=fp8$"),
     ([*FP8, "block.fp8_history_len=0"], r"^block.fp8_history_len must be positive, got 0$"),
@@ -145,12 +145,12 @@ def test_the_plan_takes_fp8_on_the_cute_stages_at_widths_of_whole_fp8_rows_and_n
                                          r"multiple of 16$"):
         build_run_plan(validate(load_config([*cute, "model=llama3_125m", "train.micro_batch_size=2",
                                              "data.seq_len=500"])), None)
-    plan = build_run_plan(validate(load_config([*FP8, "block.fp8_grad_format=e4m3", "block.fp8_margin=1"])),
-                          torch.device("cpu"))
+    plan = build_run_plan(validate(load_config([*FP8, "block.fp8_grad_format=e4m3", "block.fp8_margin=1",
+                                                "block.fp8_wgrad=false"])), torch.device("cpu"))
     assert plan.fp8.margin == 1 and plan.fp8.grad_dtype == torch.float8_e4m3fn
     assert ("float32, layer GEMMs in fp8 (e4m3, gradients e4m3, weight gradients in the compute dtype; "
             "delayed scaling over 16 steps, margin 1)" in plan.header()[0])
-    plan = build_run_plan(validate(load_config([*FP8, "block.fp8_wgrad=true"])), torch.device("cpu"))
+    plan = build_run_plan(validate(load_config(FP8)), torch.device("cpu"))
     assert plan.fp8.wgrad_fp8 and "weight gradients in FP8" in plan.header()[0]
 
 

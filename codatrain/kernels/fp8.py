@@ -155,7 +155,7 @@ class Fp8Recipe:
     # backward has anyway (torchao's "rowwise_with_gw_hp"): sm_90's FP8 GEMMs read both operands
     # contiguous along the contraction, which for a weight gradient is the tokens, so FP8 weight
     # gradients need a token-contiguous FP8 copy of each of their operands.
-    wgrad_fp8: bool = False
+    wgrad_fp8: bool = True
 
     def format_of(self, operand: Operand) -> torch.dtype:
         return self.grad_dtype if operand in GRAD_OPERANDS else E4M3
