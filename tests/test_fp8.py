@@ -208,6 +208,35 @@ def test_evaluation_records_no_amax_and_training_records_every_operand_of_the_re
     assert (model.fp8_scaling.step_amax[:, unused] == 0).all()
 
 
+def saved_activation_bytes(model: CodaLlama, tokens: torch.Tensor, targets: torch.Tensor) -> int:
+    """Bytes of the distinct tensors the forward keeps for the backward, parameters and 0-d tensors
+    (FP8 scales) left out."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: dict[int, int] = {}
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if t.dim() > 0 and storage.data_ptr() not in parameters:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        model(tokens, targets)
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("wgrad_fp8", [True, False], ids=["wgrad_fp8", "wgrad_bf16"])
+def test_the_fp8_model_keeps_no_more_for_its_backward_than_the_compute_dtype_model(wgrad_fp8):
+    """FP8 must not cost activation memory: attention's output, which the out-projection's weight
+    gradient reads, stays the tensor attention keeps anyway (its FP8 copy is made in the backward)."""
+    cfg = CONFIGS["gqa2-L3"]
+    tokens, targets = batch(cfg, 2, 16, ignore=False)
+    compute = CodaLlama(cfg).to(torch.bfloat16)
+    fp8_model = CodaLlama(cfg, fp8=Fp8Recipe(wgrad_fp8=wgrad_fp8)).to(torch.bfloat16)
+    kept_fp8, kept_compute = (saved_activation_bytes(m, tokens, targets) for m in (fp8_model, compute))
+    assert kept_fp8 <= kept_compute
+
+
 @pytest.mark.parametrize("key", ["qkv_bias", "qk_norm"])
 def test_fp8_refuses_the_qkv_epilogues_it_does_not_cover(key):
     cfg = CONFIGS["qwen2-bias-L3" if key == "qkv_bias" else "qwen3-qknorm-L3"]

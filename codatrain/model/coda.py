@@ -125,11 +125,13 @@ def _wgrad_fp8(f: Fp8Step | None) -> bool:
 
 
 def _quantize(s: StageBackend, f: Fp8Step | None, layer: int, operand: Operand,
-              x: torch.Tensor) -> torch.Tensor | Fp8Tensor:
-    """x as a GEMM operand that no stage epilogue writes (attention's output, the head's dx)."""
+              x: torch.Tensor, *, transposed: bool = True) -> torch.Tensor | Fp8Tensor:
+    """x as a GEMM operand that no stage epilogue writes (attention's output, the head's dx);
+    `transposed=False` leaves out the token-contiguous copy the recipe would ask for."""
     if f is None:
         return x
-    quantized = s.quantize(x, f.to(layer, operand))
+    to = f.to(layer, operand)
+    quantized = s.quantize(x, to if transposed else QuantizeTo(to.dtype, to.scale, to.margin))
     _record(f, layer, operand, quantized)
     return quantized
 
@@ -146,7 +148,8 @@ def _mlp_forward(
     rstd_out); with FP8, h_out is the next layer's QKV operand when `h_out_fp8`, else (the LM head's
     input) in the activation dtype."""
     wq_o, wq_gu, wq_down = _weights(s, f, w_o, w_gu, w_down)
-    oq = _quantize(s, f, layer, Operand.out_in, o)
+    # The out-projection reads o's rows; its weight gradient gets a token-contiguous copy later.
+    oq = _quantize(s, f, layer, Operand.out_in, o, transposed=False)
     x1, h1, sq1 = s.gemm_residual_rms(oq, wq_o, x_in, gamma_mlp,
                                       **_fp8_arg(f, layer, Operand.gate_up_in, "h_fp8"))
     r1 = s.rstd_from_partials(sq1, dim=c.dim, eps=c.eps)
@@ -160,10 +163,11 @@ def _mlp_forward(
     f.record(layer, Operand.down_in, y)
     if h_out_fp8:
         f.record(layer + 1, Operand.qkv_in, h2)
-    # o is kept for its wgrad (in FP8 when the weight gradients are); the backward recomputes y
-    # with the forward's scale.
-    o_saved, o_scale = (oq.data, oq.scale) if _wgrad_fp8(f) else (o, None)
-    return (o_saved, o_scale, y.scale, x1, r1, preact, w_o, gamma_mlp, w_gu, w_down), x2, h2, r2
+    # o is kept for its wgrad: the tensor attention keeps for its own backward, so no memory of its
+    # own. With FP8 weight gradients the backward quantizes it token-contiguous with the forward's
+    # scale (the same FP8 values), rather than an FP8 copy living through the step. The backward
+    # recomputes y with the forward's scale too.
+    return (o, oq.scale, y.scale, x1, r1, preact, w_o, gamma_mlp, w_gu, w_down), x2, h2, r2
 
 
 def _mlp_backward(
@@ -180,7 +184,7 @@ def _mlp_backward(
     wgrad_fp8 = _wgrad_fp8(f)
     fp8_args = {}
     if wgrad_fp8:
-        o = Fp8Tensor(o, o_scale, x1.dtype)
+        o = s.quantize(o, QuantizeTo(f.recipe.format_of(Operand.out_in), o_scale, transposed=True))
         fp8_args = {"y_fp8": QuantizeTo(f.recipe.format_of(Operand.down_in), y_scale, transposed=True),
                     **_fp8_arg(f, layer, Operand.gate_up_grad, "dpreact_fp8")}
     dpreact, y, zdz = s.gemm_dswiglu(dx2_operand, wq_down, preact, **fp8_args)
