@@ -165,9 +165,10 @@ class Fp8Recipe:
         unused = set() if self.wgrad_fp8 else WGRAD_ONLY_OPERANDS
         return [op for op in Operand if op not in unused]
 
-    def weight(self) -> QuantizeTo:
-        """How a weight is quantized: e4m3, its own current amax, and transposed for its dgrad."""
-        return QuantizeTo(E4M3, None, self.margin, transposed=True)
+    def weight(self, *, for_dgrad: bool) -> QuantizeTo:
+        """How a weight is quantized: e4m3, its own current amax; for the dgrad (which reads Wᵀ)
+        transposed too, for the forward GEMM its rows only."""
+        return QuantizeTo(E4M3, None, self.margin, transposed=for_dgrad)
 
     def describe(self) -> str:
         grads = {v: k for k, v in GRAD_FORMATS.items()}[self.grad_dtype]

@@ -114,9 +114,13 @@ def _record(f: Fp8Step | None, layer: int, operand: Operand, quantized: Fp8Tenso
         f.record(layer, operand, quantized)
 
 
-def _weights(s: StageBackend, f: Fp8Step | None, *weights: torch.Tensor) -> list[torch.Tensor | Fp8Tensor]:
-    """The GEMM operands of `weights`: FP8 copies from their current amax, or the weights."""
-    return list(weights) if f is None else [s.quantize(w, f.recipe.weight()) for w in weights]
+def _weights(s: StageBackend, f: Fp8Step | None, *weights: torch.Tensor,
+             for_dgrad: bool) -> list[torch.Tensor | Fp8Tensor]:
+    """The GEMM operands of `weights` in the forward or (`for_dgrad`) the backward: FP8 copies from
+    their current amax, or the weights."""
+    if f is None:
+        return list(weights)
+    return [s.quantize(w, f.recipe.weight(for_dgrad=for_dgrad)) for w in weights]
 
 
 def _wgrad_fp8(f: Fp8Step | None) -> bool:
@@ -147,7 +151,7 @@ def _mlp_forward(
     """F1 R1 F2 F3 R2 of `layer`. Returns (tensors the backward needs, x_out, h_out = x_out ⊙ γ_out,
     rstd_out); with FP8, h_out is the next layer's QKV operand when `h_out_fp8`, else (the LM head's
     input) in the activation dtype."""
-    wq_o, wq_gu, wq_down = _weights(s, f, w_o, w_gu, w_down)
+    wq_o, wq_gu, wq_down = _weights(s, f, w_o, w_gu, w_down, for_dgrad=False)
     # The out-projection reads o's rows; its weight gradient gets a token-contiguous copy later.
     oq = _quantize(s, f, layer, Operand.out_in, o, transposed=False)
     x1, h1, sq1 = s.gemm_residual_rms(oq, wq_o, x_in, gamma_mlp,
@@ -180,7 +184,7 @@ def _mlp_backward(
     Returns (do, dx_in, dW_o, dγ_mlp, dW_gu, dW_down).
     """
     o, o_scale, y_scale, x1, r1, preact, w_o, gamma_mlp, w_gu, w_down = saved
-    wq_o, wq_gu, wq_down = _weights(s, f, w_o, w_gu, w_down)
+    wq_o, wq_gu, wq_down = _weights(s, f, w_o, w_gu, w_down, for_dgrad=True)
     wgrad_fp8 = _wgrad_fp8(f)
     fp8_args = {}
     if wgrad_fp8:
@@ -264,7 +268,7 @@ def _qkv_gemm_backward(
     if f is None:
         dx, n, dgamma = s.gemm_rms_bwd(dz, w_qkv, x, gamma, rstd, zdz, dx_residual)
         return dx, dx, dgamma, s.wgrad(dz, n)
-    (wq,) = _weights(s, f, w_qkv)
+    (wq,) = _weights(s, f, w_qkv, for_dgrad=True)
     if not f.recipe.wgrad_fp8:
         # dz arrives in the activation dtype: the dgrad takes its FP8 copy, the weight gradient dz.
         dx, n, dgamma = s.gemm_rms_bwd(_quantize(s, f, layer, Operand.qkv_grad, dz), wq, x, gamma, rstd, zdz,
@@ -295,7 +299,7 @@ class _EntryFn(torch.autograd.Function):
     def forward(ctx, tokens, positions, embedding, gamma, w_qkv, b_qkv, q_norm, k_norm, s, c, f):
         x, h, rstd = s.entry(tokens, embedding, gamma, eps=c.eps, **_fp8_arg(f, 0, Operand.qkv_in, "h_fp8"))
         _record(f, 0, Operand.qkv_in, h)
-        (wq_qkv,) = _weights(s, f, w_qkv)
+        (wq_qkv,) = _weights(s, f, w_qkv, for_dgrad=False)
         qkv, z = _qkv_forward(s, c, h, wq_qkv, rstd, positions, b_qkv, q_norm, k_norm)
         ctx.save_for_backward(tokens, positions, x, rstd, qkv, z, gamma, w_qkv, b_qkv, q_norm, k_norm)
         ctx.s, ctx.c, ctx.f, ctx.vocab_size = s, c, f, embedding.shape[0]
@@ -319,7 +323,7 @@ class _LayerFn(torch.autograd.Function):
                 k_norm_next, positions, s, c, f, layer):
         mlp_saved, x2, h2, r2 = _mlp_forward(s, c, o, x_in, w_o, gamma_mlp, w_gu, w_down, gamma_next, f,
                                              layer, h_out_fp8=True)
-        (wq_qkv,) = _weights(s, f, w_qkv_next)
+        (wq_qkv,) = _weights(s, f, w_qkv_next, for_dgrad=False)
         qkv, z = _qkv_forward(s, c, h2, wq_qkv, r2, positions, b_qkv_next, q_norm_next, k_norm_next)
         ctx.save_for_backward(*mlp_saved, x2, r2, qkv, z, positions, gamma_next, w_qkv_next, b_qkv_next,
                               q_norm_next, k_norm_next)
