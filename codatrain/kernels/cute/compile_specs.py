@@ -247,7 +247,8 @@ def _fp8_forward_kernels(s: KernelShapes) -> list[KernelSpec]:
 
 
 def backward_kernels(s: KernelShapes) -> list[KernelSpec]:
-    """The backward stages, in the order `CodaLlama`'s backward calls them."""
+    """The backward stages, in the order `CodaLlama`'s backward calls them; with FP8, the fused
+    dgrads on FP8 operands."""
     if not s.stages:
         return []
     st, m, d, f = CuteStages(), _tokens(s), s.dim, s.ffn_dim
@@ -281,7 +282,8 @@ def _fp8_backward_kernels(s: KernelShapes) -> list[KernelSpec]:
     """The fused dgrads on FP8 operands, as `coda._mlp_backward` and `_qkv_gemm_backward` call
     them: the gradient in the recipe's format (with its token-contiguous copy when the weight
     gradients are FP8, which then also take the stages' outputs quantized into both orientations).
-    The norm backward always adds a residual gradient there."""
+    Every FP8 norm backward adds the residual path's gradient (the one without it is the
+    full-logits head's, in bf16); `k_major_t` is no kernel: it reads the producer's copies."""
     st, m, d, f, grad, wgrad = CuteStages(), _tokens(s), s.dim, s.ffn_dim, _grad_dtype(s), s.fp8_wgrad
 
     def dswiglu() -> object:
