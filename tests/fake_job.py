@@ -6,8 +6,10 @@ which CuTeDSL kernels would a job of these shapes compile that its cache does no
 Runs the model's forward and backward (two layers, bf16 parameters as FSDP2's policy hands them
 to the model on a GPU, SDPA: FA4 keeps its own cache) under `compile_only`, where every stage takes
 its own Python path, compiles or loads its kernels and launches nothing, then prints
-`kernel_counts` as JSON. `test_precompile.py` runs it against a cache that scripts/precompile.py
-built: every kernel must load, none compile.
+`kernel_counts` as JSON. With FP8 (block.precision=fp8) it runs two micro-steps: a run's first,
+scaled by the current amaxes, and one of a later step, scaled by the amax history.
+`test_precompile.py` runs it against a cache that scripts/precompile.py built: every kernel must
+load, none compile.
 """
 
 import json
@@ -21,6 +23,7 @@ from codatrain.kernels.attention import sdpa_attention
 from codatrain.kernels.cache import HOPPER_SMS, KernelShapes
 from codatrain.kernels.cute import CuteStages, head
 from codatrain.kernels.cute.pins import compile_only, kernel_counts, skipping_lce_glue
+from codatrain.kernels.fp8 import GRAD_FORMATS, Fp8Recipe
 from codatrain.kernels.resolve import ResolvedBlock
 from codatrain.model.coda import CodaLlama
 from codatrain.model.config import LlamaConfig
@@ -39,10 +42,15 @@ def main(shapes: KernelShapes) -> dict:
         # The cute stages without a device check (there is none), and fake parameters, initialised,
         # in bf16 (fake tensors cannot be converted by `Module.to`).
         torch.set_default_dtype(torch.bfloat16)
-        model = CodaLlama(cfg, ResolvedBlock("coda", "cute", "sdpa", CuteStages(), sdpa_attention))
+        fp8 = (Fp8Recipe(grad_dtype=GRAD_FORMATS[shapes.fp8_grad_format], wgrad_fp8=shapes.fp8_wgrad)
+               if shapes.fp8 else None)
+        model = CodaLlama(cfg, ResolvedBlock("coda", "cute", "sdpa", CuteStages(), sdpa_attention), fp8=fp8)
         torch.set_default_dtype(torch.float32)
         tokens = torch.zeros(shapes.batch, shapes.seq_len, dtype=torch.int64)
         model(tokens, tokens).backward()
+        if fp8 is not None:
+            model.fp8_scaling.commit_step()
+            model(tokens, tokens).backward()
     loaded, compiled, names = kernel_counts(started)
     return {"loaded": loaded, "compiled": compiled, "names": names}
 

@@ -4,7 +4,8 @@ scripts/precompile.py).
 The stamp, manifest and stale-cache switch run anywhere. With the cuda extras installed (CuTeDSL,
 QuACK, FA4, triton), `test_precompile_tiny_for_sm90a` builds the cache of the `tiny` config for
 sm_90a on this CPU machine: every stage kernel and FA4 traces and compiles without a GPU
-(a minute or two per build on two cores); without them it is skipped.
+(a minute or two per build on two cores), and `test_precompile_fp8_for_sm90a` the FP8 kernels of
+block.precision=fp8 in both block.fp8_wgrad modes; without them they are skipped.
 """
 
 import dataclasses
@@ -42,6 +43,10 @@ CUDA_EXTRAS = ("cutlass", "quack", "flash_attn", "triton")
 ODD_SHAPES = ["model.vocab_size=509", "model.dim=384", "model.ffn_dim=1024"]
 QKV_BIAS = ["model.family=qwen2", "model.qkv_bias=true"]
 DOCUMENTS = ["data.keep_document_boundaries=true"]
+# The FP8 layer GEMMs on the cute stages; with SDPA, as the FP8 kernels do not touch attention
+# (FA4's kernels are the bf16 builds' to check).
+FP8 = ["block.precision=fp8"]
+FP8_STAGES = ["block=coda", "block.backend=cute", "block.attention=sdpa", *FP8]
 FA4_FIXED = ["FA4 forward", "FA4 backward"]
 # Both with up to and over 256 documents per micro-batch (FA4's two variants).
 FA4_VARLEN = [f"FA4 varlen {direction}, {count} 256 documents"
@@ -68,6 +73,17 @@ def write_manifest(cache_dir: Path, shapes: KernelShapes, **stamp_changes) -> No
     """A manifest as scripts/precompile.py writes it, for this software unless `stamp_changes`."""
     stamp = {**cache_stamp(), **stamp_changes}
     (cache_dir / MANIFEST).write_text(json.dumps({"stamp": stamp, "configs": {shapes.key: {}}}))
+
+
+def fake_job(cache_dir: Path, shapes: KernelShapes) -> dict:
+    """What a micro-step of a job of `shapes` would load from `cache_dir` and compile
+    (tests/fake_job.py, in a compile process's environment): {"loaded", "compiled", "names"}."""
+    job = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "fake_job.py"), json.dumps(dataclasses.asdict(shapes))],
+        env=_compile_env(cache_dir, HOPPER_SMS), capture_output=True, text=True, timeout=600,
+    )
+    assert job.returncode == 0, job.stderr[-5000:]
+    return json.loads(job.stdout.splitlines()[-1])
 
 
 def precompile_script(*args: str) -> subprocess.CompletedProcess:
@@ -130,6 +146,30 @@ def test_shapes_of_a_run_config():
     reference = ["block=coda", "block.backend=reference", "block.attention=sdpa"]
     assert not shapes_of(reference).any
     assert not shapes_of(["block=coda"], torch.device("cpu")).any
+
+
+def test_the_fp8_recipe_is_part_of_the_kernel_shapes(tmp_path):
+    """block.precision=fp8 on the cute stages launches the FP8 forms of the layer GEMM stages and
+    quantize passes, and the gradients' format and block.fp8_wgrad change which: each is a cache
+    entry of its own, so a cache built for bf16 (or the other FP8 mode) does not pass for an FP8 job,
+    which would compile its FP8 kernels in its first step. The reference stages simulate FP8 with
+    no kernels of their own (their shapes stay FA4's), and the amax history and margin change none."""
+    bf16 = tiny_shapes()
+    fp8 = shapes_of([*CODA_KERNELS, *FP8])
+    assert fp8.fp8 and not bf16.fp8
+    assert fp8.key == f"{bf16.key} fp8 grads_e5m2"
+    wgrad = shapes_of([*CODA_KERNELS, *FP8, "block.fp8_wgrad=true"])
+    assert wgrad.key == f"{fp8.key} fp8_wgrad"
+    e4m3 = shapes_of([*CODA_KERNELS, *FP8, "block.fp8_grad_format=e4m3"])
+    assert e4m3.key == f"{bf16.key} fp8 grads_e4m3"
+    assert shapes_of([*CODA_KERNELS, *FP8, "block.fp8_history_len=4", "block.fp8_margin=1"]) == fp8
+    reference = ["block=coda", "block.backend=reference", "block.attention=fa4"]
+    assert shapes_of([*reference, *FP8]) == shapes_of(reference)
+
+    write_manifest(tmp_path, bf16)
+    for shapes in (fp8, wgrad, e4m3):
+        (problem,) = cache_problems(tmp_path, shapes)
+        assert "not built for this config" in problem and shapes.key in problem
 
 
 def test_cache_problems_name_every_difference(tmp_path):
@@ -207,12 +247,7 @@ def test_precompile_tiny_for_sm90a(tmp_path, widths, fa4_kernels):
     proc = precompile_script("model=tiny", *widths, f"kernels.cache_dir={tmp_path}", "--jobs", "2")
     assert proc.returncode == 0, proc.stderr[-5000:]
     shapes = shapes_of([*CODA_KERNELS, *widths])
-    job = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "fake_job.py"), json.dumps(dataclasses.asdict(shapes))],
-        env=_compile_env(tmp_path, HOPPER_SMS), capture_output=True, text=True, timeout=600,
-    )
-    assert job.returncode == 0, job.stderr[-5000:]
-    counts = json.loads(job.stdout.splitlines()[-1])
+    counts = fake_job(tmp_path, shapes)
     assert counts["compiled"] == 0 and counts["loaded"] >= 10, counts
     entry = read_manifest(tmp_path)["configs"][shapes.key]
     kernels = set(entry["kernels"])
@@ -228,3 +263,34 @@ def test_precompile_tiny_for_sm90a(tmp_path, widths, fa4_kernels):
     assert cache_problems(tmp_path, shapes) == []
     check = precompile_script("--check", "model=tiny", *widths, f"kernels.cache_dir={tmp_path}")
     assert check.returncode == 0 and "fits" in check.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not all(importlib.util.find_spec(name) for name in CUDA_EXTRAS),
+    reason="needs the cuda extras (nvidia-cutlass-dsl, quack-kernels, flash-attn-4) and triton",
+)
+def test_precompile_fp8_for_sm90a(tmp_path):
+    """block.precision=fp8, with the weight gradients in bf16 and then in FP8 (built into the same
+    cache: the second build compiles only what it adds). A job's two kinds of micro-step on fake
+    tensors, a run's first (current scaling: F1/F3 write h in bf16 and a quantize pass follows) and
+    a later one (delayed scaling: F1/F3 write h in FP8), then find every kernel they launch in the
+    cache (tests/fake_job.py): the FP8 layer GEMMs, forward and backward, and every quantize pass
+    with its format and width, row-major or into both orientations."""
+    # The second build loads all but a few kernels: one compile process is the quicker there.
+    for wgrad, quantize_passes, jobs in (("false", 6, "2"), ("true", 3, "1")):
+        overrides = [*FP8_STAGES, f"block.fp8_wgrad={wgrad}"]
+        proc = precompile_script("model=tiny", *overrides, f"kernels.cache_dir={tmp_path}", "--jobs", jobs)
+        assert proc.returncode == 0, proc.stderr[-5000:]
+        shapes = shapes_of(overrides)
+        counts = fake_job(tmp_path, shapes)
+        assert counts["compiled"] == 0 and counts["loaded"] >= 15, counts
+        kernels = read_manifest(tmp_path)["configs"][shapes.key]["kernels"]
+        stages = ("F1 out-proj on FP8", "F2 gate/up on FP8", "F3 down-proj on FP8", "F4 QKV on FP8",
+                  "dSwiGLU in the down-proj dgrad, FP8", "norm backward + residual gradient in the gate/up "
+                  "and QKV dgrads, FP8", "LM head linear cross-entropy")
+        for stage in stages:
+            assert any(name.startswith(stage) for name in kernels), f"{stage} missing from {kernels}"
+        assert len([name for name in kernels if name.startswith("quantize")]) == quantize_passes, kernels
+        assert not any(name.startswith(("F2 gate/up · rstd", "FA4")) for name in kernels), kernels
+        assert cache_problems(tmp_path, shapes) == []

@@ -76,6 +76,13 @@ class KernelShapes:
     them, and `documents` (data.keep_document_boundaries: FA4 runs its variable-length kernels
     instead; the stages do not change), and `qkv_bias` (the QKV GEMM and the RoPE backward take
     their bias variants). Depth does not matter: every layer launches the same kernels.
+
+    With block.precision=fp8 on the cute stages (`fp8`), the layer GEMMs run on FP8 operands and
+    quantize passes write those operands: `fp8_grad_format` is the gradients' FP8 format (the
+    backward GEMMs' A operands and the gradients' quantize passes), `fp8_wgrad` whether the weight
+    gradients' operands are quantized too, into both orientations. Delayed and current scaling
+    take different kernels where h leaves F1/F3 (in FP8, or in the activation dtype and then
+    quantized); every run launches both (current scaling in its first step), so neither is a field.
     """
 
     dim: int
@@ -90,6 +97,14 @@ class KernelShapes:
     fa4: bool = True
     documents: bool = False
     qkv_bias: bool = False
+    precision: str = "bf16"  # or "fp8" (block.precision), only with `stages`
+    fp8_grad_format: str = "e5m2"  # block.fp8_grad_format: "e5m2" or "e4m3"
+    fp8_wgrad: bool = False  # block.fp8_wgrad
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the CODA layer GEMMs run on FP8 operands (block.precision=fp8 on the cute stages)."""
+        return self.stages and self.precision == "fp8"
 
     @property
     def any(self) -> bool:
@@ -105,6 +120,8 @@ class KernelShapes:
         parts += [name for name in ("stages", "fa4") if getattr(self, name)]
         if self.stages and self.qkv_bias:
             parts.append("qkv_bias")
+        if self.fp8:
+            parts += ["fp8", f"grads_{self.fp8_grad_format}", *(["fp8_wgrad"] if self.fp8_wgrad else [])]
         if self.fa4 and self.documents:
             parts.append("documents")
         return " ".join(parts)

@@ -145,6 +145,7 @@ def build_run_plan(run: RunConfig, device: torch.device | None, world_size: int 
         head_dim=model_cfg.head_dim, ffn_dim=model_cfg.ffn_dim, vocab_size=model_cfg.vocab_size,
         batch=tcfg.micro_batch_size, seq_len=data.seq_len, stages=block.cute_stages, fa4=block.fa4,
         documents=data.keep_document_boundaries, qkv_bias=model_cfg.qkv_bias,
+        **fp8_kernel_shapes(run.block, fp8, block.cute_stages),
     )
     gpu = device is None or device.type == "cuda"
     return RunPlan(
@@ -163,3 +164,12 @@ def fp8_recipe(block: BlockConfig) -> Fp8Recipe | None:
         return None
     return Fp8Recipe(history_len=block.fp8_history_len, margin=block.fp8_margin,
                      grad_dtype=GRAD_FORMATS[str(block.fp8_grad_format)], wgrad_fp8=block.fp8_wgrad)
+
+
+def fp8_kernel_shapes(block: BlockConfig, fp8: Fp8Recipe | None, cute_stages: bool) -> dict[str, object]:
+    """The `KernelShapes` fields of the FP8 recipe: set only where the cute stages run it (the
+    reference stages simulate FP8 without kernels of their own)."""
+    if fp8 is None or not cute_stages:
+        return {}
+    return {"precision": str(block.precision), "fp8_grad_format": str(block.fp8_grad_format),
+            "fp8_wgrad": fp8.wgrad_fp8}

@@ -5,7 +5,11 @@ GPU (`compile_only`) and the count of kernels a process loaded or compiled (`ker
 into QuACK's and FA4's internals, so they live in pins.py.
 
 Each stage family contributes its kernels through one function of `KernelShapes`:
-`entry_kernels`, `forward_kernels`, `backward_kernels`, `attention_kernels` (`FAMILIES`). A
+`entry_kernels`, `forward_kernels`, `backward_kernels`, `quantize_kernels`, `attention_kernels`
+(`FAMILIES`). With block.precision=fp8 (`KernelShapes.fp8`) the forward and backward families
+emit the FP8 forms of the layer GEMM stages, with both the delayed-scaling and the
+current-scaling outputs of F1/F3, and `quantize_kernels` the quantize passes the model asks for;
+the LM head stays bf16 and the cuBLAS FP8 GEMMs (`torch._scaled_mm`) need no spec. A
 `KernelSpec` names a kernel and compiles it from inputs with the training job's shapes, strides
 and dtypes, so that its cache key is the key the job looks up:
 
@@ -48,7 +52,7 @@ from quack.rmsnorm import rmsnorm_fwd
 
 from codatrain.kernels.attention import Documents, causal_attention
 from codatrain.kernels.cache import HOPPER_SMS, KernelShapes
-from codatrain.kernels.cute import CuteStages, entry, head, rowwise
+from codatrain.kernels.cute import CuteStages, entry, head, quantize, rowwise
 from codatrain.kernels.cute.attention import varlen_backward, varlen_forward
 from codatrain.kernels.cute.pins import (
     compile_only,
@@ -57,6 +61,7 @@ from codatrain.kernels.cute.pins import (
     rmsnorm_bwd_impl,
     skipping_lce_glue,
 )
+from codatrain.kernels.fp8 import E4M3, GRAD_FORMATS, Fp8Tensor, QuantizeTo
 from codatrain.kernels.stages import IGNORE_INDEX, Rope
 
 # Training activations are bf16 (the run plan's compute dtype on a GPU, FSDP2's param dtype at
@@ -98,6 +103,28 @@ def _index(*shape: int) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.int64, device=_STAGE_DEVICE)
 
 
+def _fp8(*shape: int, dtype: torch.dtype = E4M3, transposed: bool = False) -> Fp8Tensor:
+    """An FP8 operand standing for an activation-dtype tensor, with its transposed copy when the
+    producer writes one (`QuantizeTo.transposed`)."""
+    data = torch.empty(shape, dtype=dtype, device=_STAGE_DEVICE)
+    data_t = torch.empty(shape[::-1], dtype=dtype, device=_STAGE_DEVICE) if transposed else None
+    return Fp8Tensor(data, _stat(), ACT, None, data_t)
+
+
+def _fp8_weight(*shape: int) -> Fp8Tensor:
+    """A weight's FP8 copy: e4m3 with its transpose (`Fp8Recipe.weight`)."""
+    return _fp8(*shape, transposed=True)
+
+
+def _delayed(dtype: torch.dtype, transposed: bool = False) -> QuantizeTo:
+    """An FP8 output with a delayed scale (given, a 0-d device tensor), as `Fp8Step.to` asks for it."""
+    return QuantizeTo(dtype, _stat(), 0, transposed)
+
+
+def _grad_dtype(s: KernelShapes) -> torch.dtype:
+    return GRAD_FORMATS[s.fp8_grad_format]
+
+
 def _cute(dtype: torch.dtype) -> type:
     return torch2cute_dtype_map[dtype]
 
@@ -134,10 +161,20 @@ def entry_kernels(s: KernelShapes) -> list[KernelSpec]:
 
 
 def forward_kernels(s: KernelShapes) -> list[KernelSpec]:
-    """F1–F4, the rstd reduction and the LM head of docs/design.md §3 (and the full-logits head)."""
+    """F1–F4, the rstd reduction and the LM head of docs/design.md §3 (and the full-logits head);
+    with FP8, F1–F4 and the rstd reduction on FP8 operands and the LM head as in bf16."""
     if not s.stages:
         return []
     st, m, d, vocab = CuteStages(), _tokens(s), s.dim, s.vocab_size
+    lm_head = [
+        KernelSpec(
+            "LM head · rstd + LSE + target logit",
+            lambda: st.gemm_rstd_lse(_act(m, d), _act(vocab, d), _stat(m), _index(m)),
+        ),
+        KernelSpec("LM head · rstd, full logits", lambda: st.gemm_rstd(_act(m, d), _act(vocab, d), _stat(m))),
+    ]
+    if s.fp8:
+        return [*_fp8_forward_kernels(s), *lm_head]
     rope = {"head_dim": s.head_dim, "rope_heads": s.n_heads + s.n_kv_heads, "rope": _ANY_ROPE}
     if s.qkv_bias:
         rope["bias"] = _act(_qkv_dim(s))
@@ -166,21 +203,56 @@ def forward_kernels(s: KernelShapes) -> list[KernelSpec]:
             "F4 QKV · rstd + RoPE",
             lambda: st.gemm_rstd_rope(_act(m, d), _act(_qkv_dim(s), d), _stat(m), _index(m), **rope),
         ),
+        *lm_head,
+    ]
+
+
+def _fp8_forward_kernels(s: KernelShapes) -> list[KernelSpec]:
+    """F1–F4 and the rstd reduction on FP8 operands, as `coda._mlp_forward` and `_qkv_forward`
+    call them. F1 and F3 write h in FP8 themselves with a delayed scale, and in the activation
+    dtype (then one quantize pass) with current scaling, a run's first step; F3 of the last layer
+    writes the LM head's h in the activation dtype, the current-scaling kernel."""
+    st, m, d, f = CuteStages(), _tokens(s), s.dim, s.ffn_dim
+    rope = {"head_dim": s.head_dim, "rope_heads": s.n_heads + s.n_kv_heads, "rope": _ANY_ROPE}
+
+    def residual_rms(k: int, h_fp8: QuantizeTo) -> object:
+        return st.gemm_residual_rms(_fp8(m, k), _fp8_weight(d, k), _act(m, d), _act(d), h_fp8=h_fp8)
+
+    def current() -> QuantizeTo:
+        return QuantizeTo(E4M3, None)
+
+    def rstd_reduce():
+        # F1 and F3 share the FP8 tile, so one number of partials.
+        st.rstd_from_partials(residual_rms(_q_dim(s), _delayed(E4M3)).sq_partials, dim=d, eps=_EPS)
+
+    return [
+        KernelSpec("F1 out-proj on FP8 operands, h in FP8 (delayed scaling)",
+                   lambda: residual_rms(_q_dim(s), _delayed(E4M3))),
+        KernelSpec("F1 out-proj on FP8 operands, h quantized after (current scaling)",
+                   lambda: residual_rms(_q_dim(s), current())),
+        KernelSpec("F3 down-proj on FP8 operands, h in FP8 (delayed scaling)",
+                   lambda: residual_rms(f, _delayed(E4M3))),
+        KernelSpec("F3 down-proj on FP8 operands, h quantized after (current scaling; the LM head's h)",
+                   lambda: residual_rms(f, current())),
+        KernelSpec("R rstd from the FP8 partials", rstd_reduce),
         KernelSpec(
-            "LM head · rstd + LSE + target logit",
-            lambda: st.gemm_rstd_lse(_act(m, d), _act(vocab, d), _stat(m), _index(m)),
+            "F2 gate/up on FP8 operands · rstd + SwiGLU, y quantized",
+            lambda: st.gemm_rstd_swiglu(_fp8(m, d), _fp8_weight(2 * f, d), _stat(m), y_fp8=_delayed(E4M3)),
         ),
-        KernelSpec("LM head · rstd, full logits", lambda: st.gemm_rstd(_act(m, d), _act(vocab, d), _stat(m))),
+        KernelSpec(
+            "F4 QKV on FP8 operands · rstd + RoPE",
+            lambda: st.gemm_rstd_rope(_fp8(m, d), _fp8_weight(_qkv_dim(s), d), _stat(m), _index(m), **rope),
+        ),
     ]
 
 
 def backward_kernels(s: KernelShapes) -> list[KernelSpec]:
-    """The backward stages, in the order `CodaLlama`'s backward calls them."""
+    """The backward stages, in the order `CodaLlama`'s backward calls them; with FP8, the fused
+    dgrads on FP8 operands."""
     if not s.stages:
         return []
     st, m, d, f = CuteStages(), _tokens(s), s.dim, s.ffn_dim
-    return [
-        *head_kernels(s),
+    layer_gemms = _fp8_backward_kernels(s) if s.fp8 else [
         KernelSpec(
             "dSwiGLU in the down-proj dgrad", lambda: st.gemm_dswiglu(_act(m, d), _act(d, f), _act(m, 2 * f))
         ),
@@ -190,6 +262,10 @@ def backward_kernels(s: KernelShapes) -> list[KernelSpec]:
                 _act(m, 2 * f), _act(2 * f, d), _act(m, d), _act(d), _stat(m), _stat(m), _act(m, d)
             ),
         ),
+    ]
+    return [
+        *head_kernels(s),
+        *layer_gemms,
         # rope_bwd and row_dot launch the same row-wise kernel, with and without the rotation.
         KernelSpec(
             "RoPE backward + ZdZ",
@@ -200,6 +276,70 @@ def backward_kernels(s: KernelShapes) -> list[KernelSpec]:
             lambda: rowwise.compile_row_dot(_cute(ACT), s.vocab_size, False),
         ),
     ]
+
+
+def _fp8_backward_kernels(s: KernelShapes) -> list[KernelSpec]:
+    """The fused dgrads on FP8 operands, as `coda._mlp_backward` and `_qkv_gemm_backward` call
+    them: the gradient in the recipe's format (with its token-contiguous copy when the weight
+    gradients are FP8, which then also take the stages' outputs quantized into both orientations).
+    Every FP8 norm backward adds the residual path's gradient (the one without it is the
+    full-logits head's, in bf16); `k_major_t` is no kernel: it reads the producer's copies."""
+    st, m, d, f, grad, wgrad = CuteStages(), _tokens(s), s.dim, s.ffn_dim, _grad_dtype(s), s.fp8_wgrad
+
+    def dswiglu() -> object:
+        outputs = {"y_fp8": _delayed(E4M3, True), "dpreact_fp8": _delayed(grad, True)} if wgrad else {}
+        return st.gemm_dswiglu(_fp8(m, d, dtype=grad, transposed=wgrad), _fp8_weight(d, f), _act(m, 2 * f),
+                               **outputs)
+
+    def rms_bwd() -> object:
+        inputs = (_fp8(m, 2 * f, dtype=grad, transposed=wgrad), _fp8_weight(2 * f, d), _act(m, d), _act(d),
+                  _stat(m), _stat(m), _act(m, d))
+        if wgrad:
+            return st.gemm_rms_bwd_fp8(*inputs, n_fp8=_delayed(E4M3, True), dx_fp8=_delayed(grad, True))
+        return st.gemm_rms_bwd(*inputs)
+
+    outputs = ", outputs quantized into both orientations" if wgrad else ""
+    return [
+        KernelSpec(f"dSwiGLU in the down-proj dgrad, FP8 operands{outputs}", dswiglu),
+        KernelSpec(f"norm backward + residual gradient in the gate/up and QKV dgrads, FP8 operands{outputs}",
+                   rms_bwd),
+    ]
+
+
+def quantize_kernels(s: KernelShapes) -> list[KernelSpec]:
+    """The quantize passes `coda.py` asks `CuteStages.quantize` for (and the entry's h), as
+    `quantize.quantize_to` compiles them: one kernel per (format, width) row-major, one per format
+    into both orientations (any width). Those the stage specs above compile with their outputs
+    (F1/F3's h, F2's y, the dgrads' outputs) are theirs."""
+    if not s.fp8:
+        return []
+    grad = _grad_dtype(s)
+    passes: list[tuple[str, torch.dtype, int | None]] = [
+        ("the weights (and, with FP8 weight gradients, the attention output o)", E4M3, None),
+        ("h of the entry", E4M3, s.dim),
+    ]
+    if s.fp8_wgrad:
+        # The weight gradients' operands that no stage spec quantizes: dx of the last layer's
+        # down-projection (the LM head's gradient) and dz of the QKV GEMMs (after the RoPE backward).
+        passes += [("the LM head's dx and the QKV GEMMs' dz", grad, None)]
+    else:
+        passes += [
+            ("the attention output o", E4M3, _q_dim(s)),
+            ("dx of the down- and out-projections", grad, s.dim),
+            ("dpreact of the gate/up projection", grad, 2 * s.ffn_dim),
+            ("dz of the QKV GEMMs", grad, _qkv_dim(s)),
+        ]
+    format_names = {dtype: name for name, dtype in GRAD_FORMATS.items()}
+
+    def spec(what: str, dtype: torch.dtype, width: int | None) -> KernelSpec:
+        to = f"quantize {what} to {format_names[dtype]}"
+        if width is None:
+            return KernelSpec(f"{to}, both orientations",
+                              lambda: quantize.compile_quantize_transpose(_cute(ACT), _cute(dtype), True))
+        return KernelSpec(f"{to}, width {width}",
+                          lambda: quantize.compile_quantize(_cute(ACT), _cute(dtype), width))
+
+    return [spec(*p) for p in passes]
 
 
 def head_kernels(s: KernelShapes) -> list[KernelSpec]:
@@ -304,7 +444,7 @@ def _varlen_attention_kernels(s: KernelShapes) -> list[KernelSpec]:
 
 
 FAMILIES: tuple[Callable[[KernelShapes], list[KernelSpec]], ...] = (
-    entry_kernels, forward_kernels, backward_kernels, attention_kernels,
+    entry_kernels, forward_kernels, backward_kernels, quantize_kernels, attention_kernels,
 )
 
 

@@ -9,8 +9,9 @@ installed. `tests/test_layering.py` checks that no other cute module imports a p
 - RoPE's sine and cosine in turns (QuACK's rotary epilogue), FA4's backward entry point, the
   implementation behind QuACK's RMSNorm-backward op, torch's FakeTensorMode and FP8 GEMM.
 - `compile_only`: compiling for a Hopper GPU that is not there, by patching QuACK's launch and
-  cluster-count functions, every `jit_cache` compile function's launcher and its
-  `gemm_add_inplace` op; `skipping_lce_glue`: QuACK's linear cross-entropy without its Triton glue.
+  cluster-count functions, every `jit_cache` compile function's launcher, its epilogue `Scalar`'s
+  device check and its `gemm_add_inplace` op; `skipping_lce_glue`: QuACK's linear cross-entropy
+  without its Triton glue.
 - `jit_compilers`, `fa4_caches`, `kernel_counts`: what a process compiled, read from QuACK's
   `jit_cache` wrappers and FA4's compile caches.
 """
@@ -28,9 +29,11 @@ from typing import Any
 from unittest import mock
 
 import quack.cute_dsl_utils
+import quack.epilogue.ops
 import quack.gemm_interface
 import quack.gemm_tvm_ffi_utils
 import quack.linear_cross_entropy
+import torch
 from quack.cache import CacheInfo
 
 
@@ -88,6 +91,10 @@ def compile_only(num_sms: int) -> Iterator[list[object]]:
     - QuACK's `gemm_add_inplace` calls its torch custom op even in eager mode, and under
       FakeTensorMode that op runs its fake, which compiles nothing: here it calls the op's own
       implementation directly, as QuACK's eager paths do for its other ops.
+    - QuACK's epilogue `Scalar` operands given as tensors (an FP8 GEMM's 1/(s_a·s_b), F1/F3's h
+      scale) must be CUDA tensors. Here a tensor on another device passes the check as its CUDA
+      twin would, so stage inputs can be fake CPU tensors like the rest: QuACK keys the kernel
+      on the scalar's dtype and on its being a pointer, never on its device.
     - QuACK asks the driver how many clusters fit on the GPU (`get_max_active_clusters`) to size
       the persistent grid of a launch plan. Here the target answers instead: a Hopper GEMM CTA
       fills an SM, so num_sms // cluster_size clusters (66 of 2 CTAs on a 132-SM H100 SXM or
@@ -120,6 +127,15 @@ def compile_only(num_sms: int) -> Iterator[list[object]]:
             if isinstance(owner, type):  # a kernel class's static compile method
                 launch_nothing = staticmethod(launch_nothing)
             stack.enter_context(mock.patch.object(owner, attr, launch_nothing))
+        scalar = quack.epilogue.ops.Scalar
+        validate_scalar = scalar._validate_pointer_value
+
+        def validate_as_cuda(self: object, value: object) -> None:
+            if isinstance(value, torch.Tensor) and not value.is_cuda:
+                value = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="cuda")
+            validate_scalar(self, value)
+
+        stack.enter_context(mock.patch.object(scalar, "_validate_pointer_value", validate_as_cuda))
         add_inplace = quack.gemm_interface.gemm_add_inplace_op._init_fn
         stack.enter_context(mock.patch.object(quack.gemm_interface, "gemm_add_inplace_op", add_inplace))
         stack.enter_context(FakeTensorMode())
