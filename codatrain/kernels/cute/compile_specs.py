@@ -315,8 +315,16 @@ def quantize_kernels(s: KernelShapes) -> list[KernelSpec]:
         return []
     grad = _grad_dtype(s)
     passes: list[tuple[str, torch.dtype, int | None]] = [
-        ("the weights (and, with FP8 weight gradients, the attention output o)", E4M3, None),
+        # The forward reads a weight's rows (widths d for W_qkv and W_gu, q_dim for W_o, F for
+        # W_down); its dgrad in the backward also the transpose.
+        ("the weights' rows (W_gu, W_qkv)", E4M3, s.dim),
+        ("the weights' rows (W_down)", E4M3, s.ffn_dim),
+        ("the weights for their dgrads (and, with FP8 weight gradients, the attention output o)",
+         E4M3, None),
         ("h of the entry", E4M3, s.dim),
+        # Rows for the out-projection; with FP8 weight gradients its wgrad quantizes o again, both
+        # orientations (above).
+        ("the attention output o (and W_o's rows)", E4M3, _q_dim(s)),
     ]
     if s.fp8_wgrad:
         # The weight gradients' operands that no stage spec quantizes: dx of the last layer's
@@ -324,7 +332,6 @@ def quantize_kernels(s: KernelShapes) -> list[KernelSpec]:
         passes += [("the LM head's dx and the QKV GEMMs' dz", grad, None)]
     else:
         passes += [
-            ("the attention output o", E4M3, _q_dim(s)),
             ("dx of the down- and out-projections", grad, s.dim),
             ("dpreact of the gate/up projection", grad, 2 * s.ffn_dim),
             ("dz of the QKV GEMMs", grad, _qkv_dim(s)),
