@@ -157,11 +157,11 @@ def test_the_fp8_recipe_is_part_of_the_kernel_shapes(tmp_path):
     bf16 = tiny_shapes()
     fp8 = shapes_of([*CODA_KERNELS, *FP8])
     assert fp8.fp8 and not bf16.fp8
-    assert fp8.key == f"{bf16.key} fp8 grads_e5m2"
-    wgrad = shapes_of([*CODA_KERNELS, *FP8, "block.fp8_wgrad=true"])
-    assert wgrad.key == f"{fp8.key} fp8_wgrad"
+    assert fp8.key == f"{bf16.key} fp8 grads_e5m2 fp8_wgrad"  # FP8 weight gradients: the default
+    wgrad = shapes_of([*CODA_KERNELS, *FP8, "block.fp8_wgrad=false"])
+    assert wgrad.key == f"{bf16.key} fp8 grads_e5m2"
     e4m3 = shapes_of([*CODA_KERNELS, *FP8, "block.fp8_grad_format=e4m3"])
-    assert e4m3.key == f"{bf16.key} fp8 grads_e4m3"
+    assert e4m3.key == f"{bf16.key} fp8 grads_e4m3 fp8_wgrad"
     assert shapes_of([*CODA_KERNELS, *FP8, "block.fp8_history_len=4", "block.fp8_margin=1"]) == fp8
     reference = ["block=coda", "block.backend=reference", "block.attention=fa4"]
     assert shapes_of([*reference, *FP8]) == shapes_of(reference)
