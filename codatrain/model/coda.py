@@ -433,6 +433,19 @@ def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape))
 
 
+def _apply(function: type[torch.autograd.Function], fp8: Fp8Step | None, *args):
+    """`function.apply(*args)`; with FP8 outside torch.compile's graphs (a graph break around it,
+    the stages run as they do eagerly): the Function records amaxes into the step's scaling state
+    in its forward and backward, a tensor a compiled autograd graph would save and then find
+    modified by the other layers (train.compile=true with block.precision=fp8 stopped in the
+    backward)."""
+    return (function.apply if fp8 is None else _EAGER_APPLY[function])(*args)
+
+
+_EAGER_APPLY = {function: torch.compiler.disable(function.apply)
+                for function in (_EntryFn, _LayerFn, _FinalLossFn, _FinalLogitsFn)}
+
+
 class CodaEntry(nn.Module):
     """Embedding (unless tied: `CodaLlama` owns it then) and layer 0's attention norm and QKV weight."""
 
@@ -451,8 +464,8 @@ class CodaEntry(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens (M,) → (x0 (M, d), qkv0 (M, N_qkv)); `tied_embedding` is the model's tied matrix."""
         embedding = self.embedding if tied_embedding is None else tied_embedding
-        return _EntryFn.apply(tokens, step.positions, embedding, self.gamma_attn, self.w_qkv, self.b_qkv,
-                              self.q_norm, self.k_norm, step.stages, self.consts, step.fp8)
+        return _apply(_EntryFn, step.fp8, tokens, step.positions, embedding, self.gamma_attn, self.w_qkv,
+                      self.b_qkv, self.q_norm, self.k_norm, step.stages, self.consts, step.fp8)
 
 
 class _ShiftedLayer(nn.Module):
@@ -493,9 +506,9 @@ class CodaLayer(_ShiftedLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(qkv_i, x_in) → (x_out, qkv_{i+1})."""
         o = self.attention(qkv, step)
-        return _LayerFn.apply(o, x, *self.mlp_params(), self.gamma_attn_next, self.w_qkv_next,
-                              self.b_qkv_next, self.q_norm_next, self.k_norm_next, step.positions,
-                              step.stages, self.consts, step.fp8, self.index)
+        return _apply(_LayerFn, step.fp8, o, x, *self.mlp_params(), self.gamma_attn_next, self.w_qkv_next,
+                      self.b_qkv_next, self.q_norm_next, self.k_norm_next, step.positions, step.stages,
+                      self.consts, step.fp8, self.index)
 
 
 class CodaFinalLayer(_ShiftedLayer):
@@ -518,11 +531,11 @@ class CodaFinalLayer(_ShiftedLayer):
         params = [*self.mlp_params(), self.gamma_final, head]
         fp8 = (step.fp8, self.index)
         if targets is None:
-            return _FinalLogitsFn.apply(o, x, *params, step.stages, self.consts, *fp8)
+            return _apply(_FinalLogitsFn, step.fp8, o, x, *params, step.stages, self.consts, *fp8)
         if not torch.is_grad_enabled():
             return _final_loss_without_grad(step.stages, self.consts, *fp8, o, x, *params, targets)
-        return _FinalLossFn.apply(o, x, *params, targets, step.stages, self.consts, self.head_chunk_rows,
-                                  *fp8)
+        return _apply(_FinalLossFn, step.fp8, o, x, *params, targets, step.stages, self.consts,
+                      self.head_chunk_rows, *fp8)
 
 
 # ---- canonical layout ---------------------------------------------------------------------------
