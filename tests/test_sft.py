@@ -13,7 +13,8 @@ from transformers import PreTrainedTokenizerFast
 
 from codatrain.config import DataConfig, load_config, validate
 from codatrain.data import build_loaders
-from codatrain.data.sft import SFTWindows, generation_prompt, make_encoder, to_messages
+from codatrain.data.config import SFTOverlong
+from codatrain.data.sft import Example, SFTWindows, generation_prompt, make_encoder, to_messages
 from codatrain.data.tokenizer import ByteTokenizer, load_tokenizer
 from codatrain.model.llama import IGNORE_INDEX
 
@@ -206,6 +207,9 @@ def test_examples_are_packed_whole_with_document_ids_and_padding_ignored(tmp_pat
     windows = train.dataset
     # Greedy, in order: 31 + 28 fit in 65 slots, 33 + 33 does not fit, so the last two are alone.
     assert len(windows) == 3 and sum(sizes) == windows.report.tokens
+    assert train.report == ("training data: 4 examples (the plain template) in 3 windows of 65 tokens, "
+                            "64% filled, 14 target tokens; 0 longer than a window truncated, "
+                            "0 without a target dropped")
     batches = list(islice(train, 3))
     first = batches[0]
     assert first.doc_ids[0].tolist() == [0] * 31 + [1] * 28 + [2] * 5  # padding is a document of its own
@@ -239,7 +243,9 @@ def test_overlong_examples_are_truncated_or_dropped_and_counted(tmp_path):
     dropped = build(sft_config(tmp_path, path, seq_len=46, sft_overlong="drop"))[0]
     report = dropped.dataset.report
     assert (report.truncated, report.dropped_long, report.dropped_no_target) == (0, 2, 0)
-    assert "2 longer than a window dropped" in dropped.report
+    assert dropped.report == ("training data: 4 examples (the plain template) in 2 windows of 47 tokens, "
+                              "82% filled, 15 target tokens; 2 longer than a window dropped, "
+                              "0 without a target dropped")
 
     with pytest.raises(ValueError, match="none of the 1 examples has a target"):
         build(sft_config(tmp_path, write_jsonl(tmp_path / "one.jsonl", example_records([(40, 5)])),
@@ -279,8 +285,42 @@ def test_a_conversation_the_chat_template_refuses_is_named_with_the_templates_re
 def test_an_example_of_exactly_a_window_is_kept_whole(tmp_path):
     assert plain_length(10, 11) == 46 + 1  # the slots of a window of seq_len 46
     path = write_jsonl(tmp_path / "ex.jsonl", example_records([(10, 11)]))
-    report = build(sft_config(tmp_path, path, seq_len=46, sft_overlong="drop"))[0].dataset.report
+    windows = build(sft_config(tmp_path, path, seq_len=46, sft_overlong="drop"))[0].dataset
+    report = windows.report
     assert (report.examples, report.dropped_long, report.truncated, report.tokens) == (1, 0, 0, 47)
+    assert len(windows) == report.windows == 1
+
+
+def example(tokens, targets):
+    return Example(np.array(tokens, dtype=np.int64), np.array(targets, dtype=bool))
+
+
+def test_windows_fill_exactly_and_never_target_an_examples_first_token():
+    """Examples packed into windows of 8 slots: two of 3 + 5 tokens fill one exactly; an example's
+    first token is never a target, though its encoder marked it (a chat template whose assistant
+    turn opens the conversation), as it would be predicted from the example before; an example whose
+    only target is its second token is kept; those without targets are dropped and counted."""
+    examples = [example([1, 2, 3], [1, 1, 1]), example([4, 5, 6, 7, 8], [1, 0, 0, 0, 1]),
+                example([9, 9], [0, 0]), example([9, 9, 9], [1, 0, 0]), example([10, 11], [1, 1])]
+    windows = SFTWindows(examples, seq_len=7, with_doc_ids=True, overlong=SFTOverlong.truncate, pad_id=0)
+    assert len(windows) == windows.report.windows == 2
+    assert (windows.report.examples, windows.report.dropped_no_target, windows.report.targets) == (5, 2, 4)
+    first, second = windows[0], windows[1]
+    assert first.tokens.tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert first.target_mask.tolist() == [True, True, False, False, False, False, True]  # 2, 3, 8
+    assert first.doc_ids.tolist() == [0, 0, 0, 1, 1, 1, 1]
+    assert second.tokens.tolist() == [10, 11, 0, 0, 0, 0, 0, 0]
+    assert second.target_mask.tolist() == [True] + [False] * 6
+    assert windows.describe("training", "a template", SFTOverlong.truncate) == (
+        "training data: 5 examples (a template) in 2 windows of 8 tokens, 62% filled, 4 target tokens; "
+        "0 longer than a window truncated, 2 without a target dropped")
+
+
+def test_max_documents_reads_the_first_records_only(tmp_path):
+    path = write_jsonl(tmp_path / "ex.jsonl", example_records([(2, 3), (1, 1), (5, 2), (3, 4)]))
+    train, _ = build(sft_config(tmp_path, path, max_documents=2))
+    assert train.dataset.report.examples == 2
+    assert train.dataset.tokens.tolist()[-2:] == [ord("b"), EOS]  # the second record ends the data
 
 
 # ---- splits, sources, the loader --------------------------------------------------------------
