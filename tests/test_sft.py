@@ -5,6 +5,7 @@ import gzip
 import json
 from itertools import islice
 
+import datasets
 import numpy as np
 import pytest
 import torch
@@ -186,6 +187,28 @@ def test_format_sft_needs_files_or_hub():
         DataConfig(format="sft", source="embedded")
     run = validate(load_config(["data=sft", "data.path=x.jsonl"]))
     assert run.data.format == "sft" and run.data.keep_document_boundaries
+    for source, what in (("files", "a JSON-lines file, folder or glob"), ("hub", "the dataset name")):
+        with pytest.raises(ValueError) as error:
+            build(DataConfig(format="sft", source=source, path=None))
+        assert str(error.value) == f"data.format=sft with data.source={source} needs data.path ({what})"
+
+
+def test_a_validation_fraction_that_holds_out_nothing_is_named(tmp_path):
+    path = write_jsonl(tmp_path / "ex.jsonl", example_records([(2, 3), (1, 1), (5, 2), (3, 4)]))
+    with pytest.raises(ValueError) as error:
+        build(sft_config(tmp_path, path, val_fraction=1e-9))
+    assert str(error.value) == ("data.val_fraction=1e-09 holds out none of the 4 examples; raise it or give "
+                                "data.val_path")
+
+
+def test_a_record_the_chat_template_refuses_is_named_by_file_and_line(tmp_path):
+    chat_tokenizer(tmp_path / "tok", CHATML.replace(
+        "{% for", "{% if messages|length == 4 %}{{ raise_exception('four turns') }}{% endif %}{% for", 1))
+    turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    path = write_jsonl(tmp_path / "ex.jsonl", [{"messages": turn}, {"messages": turn * 2}])
+    with pytest.raises(ValueError, match=rf"^{path} line 2: the tokenizer's chat template refused the "
+                                         "conversation: four turns$"):
+        build(sft_config(tmp_path, path, tokenizer=str(tmp_path / "tok")))
 
 
 # ---- packing ------------------------------------------------------------------------------------
@@ -354,6 +377,41 @@ def test_hub_datasets_go_through_the_datasets_loader(tmp_path):
     write_jsonl(bad / "train.jsonl", [{"messages": CONVERSATION}, unknown_role])
     with pytest.raises(ValueError, match=r"\[train\] row 1: message 0 has the unknown role 'x'"):
         build(sft_config(tmp_path, str(bad), source="hub", cache_dir=str(tmp_path / "cache")))
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_hub_datasets_validation_is_its_val_split_or_held_out_of_its_training_split(
+        tmp_path, monkeypatch, streaming):
+    """data.val_split reads that split of the configuration asked for, in the mode asked for and
+    into data.cache_dir (nothing in the default cache); data.max_documents and data.val_fraction
+    apply to the training split."""
+    repo = tmp_path / "repo"  # configurations a (the default) and b, each with train and test splits
+    records = {("a", "train"): [{"prompt": "a", "response": "A"}] * 2,
+               ("a", "test"): [{"prompt": "a", "response": "A"}],
+               ("b", "train"): [{"prompt": f"question {i}", "response": "B" * (i + 1)} for i in range(40)],
+               ("b", "test"): [{"prompt": "held", "response": "out"}] * 3}
+    readme = ["---", "configs:"]
+    for config in ("a", "b"):
+        readme += [f"- config_name: {config}", "  data_files:"]
+        for split in ("train", "test"):
+            (repo / config).mkdir(parents=True, exist_ok=True)
+            write_jsonl(repo / config / f"{split}.jsonl", records[config, split])
+            readme += [f"  - split: {split}", f"    path: {config}/{split}.jsonl"]
+        readme += ["  default: true"] if config == "a" else []
+    (repo / "README.md").write_text("\n".join([*readme, "---", ""]))
+    default_cache = tmp_path / "default-cache"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", default_cache)
+    cache = tmp_path / "cache"
+    hub = dict(source="hub", name="b", split="train", seq_len=128, streaming=streaming, cache_dir=str(cache))
+    train, val = build(sft_config(tmp_path, str(repo), val_split="test", max_documents=30, **hub))
+    assert (train.dataset.report.examples, val.dataset.report.examples) == (30, 3)
+    test_record = plain()(to_messages(records["b", "test"][0], "x"), "x").tokens
+    assert val.dataset[0].tokens[:len(test_record)].tolist() == test_record.tolist()
+    assert bool(list(cache.rglob("*.arrow"))) is not streaming and not default_cache.exists()
+
+    train, val = build(sft_config(tmp_path, str(repo), val_fraction=0.25, max_documents=30, **hub))
+    assert train.dataset.report.examples + val.dataset.report.examples == 30
+    assert 0 < val.dataset.report.examples < 15
 
 
 @pytest.mark.parametrize("streaming", [False, True])
