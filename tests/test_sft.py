@@ -151,10 +151,13 @@ def test_assistant_turns_a_template_does_not_write_have_no_targets(tmp_path):
 
 # ---- bad records --------------------------------------------------------------------------------
 @pytest.mark.parametrize("record, message", [
-    ({"text": "hello"}, r"a record needs `messages` .* or `prompt` and `response`; it has 'text'"),
+    ({"text": "hello", "id": 3}, r"a record needs `messages` .* or `prompt` and `response`; it has 'text', "
+                                 r"'id'$"),
     ({"prompt": "only a prompt"}, r"`response` is missing"),
+    ({"response": "only a reply"}, r"`prompt` is missing or not a string$"),
     ({"messages": []}, r"`messages` must be a non-empty list"),
-    ({"messages": [{"role": "robot", "content": "x"}]}, r"message 0 has the unknown role 'robot'"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, r"message 0 has the unknown role 'robot' "
+                                                         r"\(known: system, user, assistant\)$"),
     ({"messages": [{"role": "user"}]}, r"message 0 needs a string `role` and a string `content`"),
     ({"messages": [{"role": "user", "content": "hi"}]}, r"the conversation has no assistant message"),
     ([1, 2], r"a record must be a JSON object, got list"),
