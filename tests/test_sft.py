@@ -59,8 +59,31 @@ def test_plain_template_targets_exactly_the_assistant_turns():
         targets += [False] * len(header) + [learn] * (len(content) + 1)
     assert example.tokens.tolist() == expected
     assert example.is_target.tolist() == targets
-    decoded = bytes(t for t, m in zip(example.tokens, example.is_target, strict=True) if m and t < 256)
+    decoded = bytes(t for t in example.tokens[example.is_target].tolist() if t < 256)  # a boolean mask
     assert decoded == b"Hello!4"
+
+
+def test_a_tokenizer_without_bos_starts_the_plain_template_with_the_first_header(tmp_path):
+    """A GPT-2 style tokenizer (one delimiter, no BOS): the example and the generation prompt are
+    int64 token ids from the first header on."""
+    vocab = {w: i for i, w in enumerate(["[UNK]", "<|endoftext|>", "<|", "|>", "user", "assistant", "hi",
+                                         "hello"])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.add_special_tokens(["<|endoftext|>"])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    spec = str(tmp_path / "tokenizer.json")
+    tokenizer = load_tokenizer(spec)
+    assert tokenizer.bos_id is None and tokenizer.eos_id == vocab["<|endoftext|>"]
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    encode = make_encoder(DataConfig(format="sft", source="files", tokenizer=spec), tokenizer)[0]
+    example = encode(messages, "x")
+    words = ["<|", "user", "|>", "hi", "<|endoftext|>", "<|", "assistant", "|>", "hello", "<|endoftext|>"]
+    assert example.tokens.dtype == np.int64 and example.tokens.tolist() == [vocab[w] for w in words]
+    assert example.tokens[example.is_target].tolist() == [vocab["hello"], vocab["<|endoftext|>"]]
+    prompt, _ = generation_prompt(messages[:1], spec, tokenizer)
+    assert torch.tensor(prompt).dtype == torch.int64  # what generation feeds the model
+    assert prompt == [vocab[w] for w in words[:5] + ["<|", "assistant", "|>"]]
 
 
 def test_prompt_and_response_are_a_user_turn_and_the_reply():
