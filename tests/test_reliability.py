@@ -272,7 +272,7 @@ def test_saving_a_step_again_where_its_old_copy_cannot_be_removed_is_a_checkpoin
     remove = shutil.rmtree
 
     def busy_old_copies(path, *args, **kwargs):
-        if Path(path).name.startswith(".tmp-old-"):
+        if Path(path).name.startswith(".tmp-old-") and Path(path).exists():
             raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(path))
         remove(path, *args, **kwargs)
 
