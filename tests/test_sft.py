@@ -176,6 +176,7 @@ def test_assistant_turns_a_template_does_not_write_have_no_targets(tmp_path):
 @pytest.mark.parametrize("record, message", [
     ({"text": "hello", "id": 3}, r"a record needs `messages` .* or `prompt` and `response`; it has 'text', "
                                  r"'id'$"),
+    ({}, r"a record needs `messages` .* or `prompt` and `response`; it has no fields$"),
     ({"prompt": "only a prompt"}, r"`response` is missing"),
     ({"response": "only a reply"}, r"`prompt` is missing or not a string$"),
     ({"messages": []}, r"`messages` must be a non-empty list"),
@@ -385,6 +386,7 @@ def test_validation_by_fraction_or_path_and_gzip(tmp_path):
     train, val = build(sft_config(tmp_path, path, val_path=str(packed)))
     assert (train.dataset.report.examples, val.dataset.report.examples) == (40, 5)
     assert val.report.startswith("validation data: 5 examples (the plain template)")
+    assert val.report.endswith("; 1 longer than a window truncated, 0 without a target dropped")
 
 
 def test_hub_datasets_go_through_the_datasets_loader(tmp_path):
