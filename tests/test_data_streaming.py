@@ -118,6 +118,21 @@ def test_stream_packs_the_windows_the_stored_path_packs(tmp_path):
     assert {b.doc_ids.dtype for b in stream} == {torch.int32}  # torch.equal does not compare dtypes
 
 
+def test_a_stream_is_tokenized_with_the_runs_tokenizer_from_epoch_0(tmp_path):
+    tok, vocab = word_tokenizer(["<s>", "</s>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    texts = ["hello world the quick", "brown fox jumps over the lazy dog"] * 4
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    loader = build(stream_config(tmp_path / "c", tokenizer=str(tmp_path / "tokenizer.json"), seq_len=8,
+                                 shuffle=False))[0]
+    batch = take(loader, 1)[0]
+    ids = sum(([vocab["<s>"], *(vocab[w] for w in t.split()), vocab["</s>"]] for t in texts), [])
+    assert batch.inputs.tolist() == [ids[:8], ids[8:16]]
+    # Epochs count from 0, as the shuffle's seed and the checkpointed state name them.
+    assert loader.state_dict()["reader_states"][0]["epoch"] == 0
+
+
 def test_state_of_another_reader_count_is_refused(tmp_path):
     corpus(tmp_path / "c")
     first = build(stream_config(tmp_path / "c", num_workers=2))[0]
