@@ -85,9 +85,22 @@ def test_each_worker_reads_its_own_part_of_the_stream(tmp_path):
     """With 2 workers, batches 0 and 1 come from readers 0 and 1, whose parts are different files."""
     corpus(tmp_path / "c")
     batches = take(build(stream_config(tmp_path / "c", num_workers=2, shuffle_buffer=0))[0], 2)
-    files = [{name[4] for name in re.findall(rb"doc \d-", bytes(b.inputs[b.inputs < 256].tolist()))}
-             for b in batches]
+    texts = [bytes(b.inputs[b.inputs < 256].tolist()) for b in batches]
+    files = [{name[4] for name in re.findall(rb"doc \d-", text)} for text in texts]
     assert all(files) and not files[0] & files[1], files
+    # Reader j of rank 0 reads shards j, j + 2, ...: each starts with its first file's first document.
+    assert texts[0].startswith(b"doc 0-0 ") and texts[1].startswith(b"doc 1-0 ")
+
+
+def test_a_resume_with_three_workers_continues_with_the_reader_whose_turn_it_is(tmp_path):
+    corpus(tmp_path / "c", files=3)
+    cfg = stream_config(tmp_path / "c", num_workers=3, shuffle_buffer=0)
+    reference = take(build(cfg)[0], 4)
+    first = build(cfg)[0]
+    take(first, 1)
+    resumed = build(cfg)[0]
+    resumed.load_state_dict(first.state_dict())
+    assert same(take(resumed, 3), reference[1:])
 
 
 def test_stream_state_saved_before_the_shuffle_pool_resumes_exactly(tmp_path):
