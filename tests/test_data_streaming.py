@@ -146,6 +146,23 @@ def test_a_stream_is_tokenized_with_the_runs_tokenizer_from_epoch_0(tmp_path):
     assert loader.state_dict()["reader_states"][0]["epoch"] == 0
 
 
+def test_streamed_training_skips_the_held_out_documents(tmp_path):
+    texts = corpus(tmp_path / "c", files=1, per_file=40)
+    held = {t for t in texts if held_out_by_content(t, 0.25)}
+    assert 0 < len(held) < 20
+    loader = build(stream_config(tmp_path / "c", val_fraction=0.25, val_tokens=1 << 12, shuffle=False))[0]
+    streamed = b"".join(bytes(b.inputs[b.inputs < 256].tolist()) for b in take(loader, 80)).decode()
+    read = set(re.findall(r"doc 0-\d+ ", streamed))
+    assert read == {t.split("words")[0] for t in texts if t not in held}
+
+
+def test_a_reader_whose_part_of_the_stream_is_empty_is_named(tmp_path):
+    corpus(tmp_path / "c", files=1, per_file=1)
+    with pytest.raises(ValueError, match=r"reader 0 of rank 1 found no documents in epoch 0 of its part "
+                                         r"\(1/2 of the stream\)"):
+        take(build(stream_config(tmp_path / "c"), rank=1, world_size=2)[0], 1)
+
+
 def test_state_of_another_reader_count_is_refused(tmp_path):
     corpus(tmp_path / "c")
     first = build(stream_config(tmp_path / "c", num_workers=2))[0]
