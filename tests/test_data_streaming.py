@@ -142,8 +142,16 @@ def test_a_stream_is_tokenized_with_the_runs_tokenizer_from_epoch_0(tmp_path):
     batch = take(loader, 1)[0]
     ids = sum(([vocab["<s>"], *(vocab[w] for w in t.split()), vocab["</s>"]] for t in texts), [])
     assert batch.inputs.tolist() == [ids[:8], ids[8:16]]
-    # Epochs count from 0, as the shuffle's seed and the checkpointed state name them.
+    # Epochs count from 0 by 1, as the shuffle's seed and the checkpointed state name them.
     assert loader.state_dict()["reader_states"][0]["epoch"] == 0
+    take(loader, 4)  # 81 tokens: into the second pass over the 60 of the file
+    assert loader.state_dict()["reader_states"][0]["epoch"] == 1
+
+
+def test_a_stream_without_document_boundaries_gives_no_document_ids(tmp_path):
+    corpus(tmp_path / "c")
+    batch = take(build(stream_config(tmp_path / "c", keep_document_boundaries=False))[0], 1)[0]
+    assert batch.doc_ids is None
 
 
 def test_streamed_training_skips_the_held_out_documents(tmp_path):
@@ -159,7 +167,8 @@ def test_streamed_training_skips_the_held_out_documents(tmp_path):
 def test_a_reader_whose_part_of_the_stream_is_empty_is_named(tmp_path):
     corpus(tmp_path / "c", files=1, per_file=1)
     with pytest.raises(ValueError, match=r"reader 0 of rank 1 found no documents in epoch 0 of its part "
-                                         r"\(1/2 of the stream\)"):
+                                         r"\(1/2 of the stream\); the source has too few documents or "
+                                         r"shards for the ranks × data.num_workers$"):
         take(build(stream_config(tmp_path / "c"), rank=1, world_size=2)[0], 1)
 
 
