@@ -172,6 +172,17 @@ def test_a_reader_whose_part_of_the_stream_is_empty_is_named(tmp_path):
         take(build(stream_config(tmp_path / "c"), rank=1, world_size=2)[0], 1)
 
 
+def test_streamed_validation_without_documents_is_named(tmp_path):
+    corpus(tmp_path / "c")
+    (tmp_path / "v").mkdir()
+    (tmp_path / "v" / "empty.jsonl").write_text(json.dumps({"text": ""}) + "\n")
+    for overrides, reason in (({"val_path": str(tmp_path / "v")}, ""),
+                              ({"val_fraction": 1e-9}, r" held out \(data.val_fraction=1e-09\)")):
+        val = build(stream_config(tmp_path / "c", val_tokens=64, **{"val_fraction": 0.0} | overrides))[1]
+        with pytest.raises(ValueError, match=rf"^the validation data of .* has no documents{reason}$"):
+            next(iter(val))
+
+
 def test_state_of_another_reader_count_is_refused(tmp_path):
     corpus(tmp_path / "c")
     first = build(stream_config(tmp_path / "c", num_workers=2))[0]
