@@ -172,6 +172,22 @@ def test_a_reader_whose_part_of_the_stream_is_empty_is_named(tmp_path):
         take(build(stream_config(tmp_path / "c"), rank=1, world_size=2)[0], 1)
 
 
+def test_streamed_validation_is_the_first_val_tokens_of_its_source_in_the_runs_tokenizer(tmp_path):
+    tok, vocab = word_tokenizer(["<s>", "</s>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    texts = ["hello world the quick", "brown fox jumps over the lazy dog"] * 20
+    for folder in ("c", "v"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    cfg = stream_config(tmp_path / "c", tokenizer=str(tmp_path / "tokenizer.json"), seq_len=8,
+                        val_path=str(tmp_path / "v"), val_tokens=50)
+    val = build(cfg)[1]
+    next(iter(val))
+    stream = val._loader.dataset.stream
+    ids = sum(([vocab["<s>"], *(vocab[w] for w in t.split()), vocab["</s>"]] for t in texts), [])
+    assert stream.read(0, stream.num_tokens).tolist() == ids[:51]  # val_tokens inputs and one target
+
+
 def test_streamed_validation_without_documents_is_named(tmp_path):
     corpus(tmp_path / "c")
     (tmp_path / "v").mkdir()
