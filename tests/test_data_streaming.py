@@ -182,7 +182,7 @@ def test_streamed_validation_is_the_first_val_tokens_of_its_source_in_the_runs_t
     cfg = stream_config(tmp_path / "c", tokenizer=str(tmp_path / "tokenizer.json"), seq_len=8,
                         val_path=str(tmp_path / "v"), val_tokens=50)
     val = build(cfg)[1]
-    next(iter(val))
+    assert next(iter(val)).inputs.dtype == torch.int64  # token ids, as the embedding takes them
     stream = val._loader.dataset.stream
     ids = sum(([vocab["<s>"], *(vocab[w] for w in t.split()), vocab["</s>"]] for t in texts), [])
     assert stream.read(0, stream.num_tokens).tolist() == ids[:51]  # val_tokens inputs and one target
