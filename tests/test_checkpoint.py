@@ -20,7 +20,7 @@ from codatrain.config import CheckpointConfig
 from codatrain.model import Llama, get_preset
 from codatrain.model.hf import save_hf
 from codatrain.model.layout import Canonical
-from codatrain.train import checkpoint_files
+from codatrain.train import checkpoint_files, checkpointer
 from codatrain.train.canonical_state import (
     CanonicalMapping,
     canonical_state,
@@ -236,13 +236,19 @@ def test_interrupted_save_is_ignored_and_cleaned_up(tmp_path):
     run = Run(tmp_path)
     run.step()
     run.ckpt.save(1)
-    stale = tmp_path / "checkpoints/.tmp-step_2"  # what a crash in the middle of a save leaves
-    stale.mkdir()
-    (stale / "shard-00001-model-00001-of-00001.safetensors").write_bytes(b"partial")
+    for name in (".tmp-step_2", ".tmp-step_9"):  # what crashes in the middle of saves leave
+        stale = tmp_path / "checkpoints" / name
+        stale.mkdir()
+        (stale / "shard-00001-model-00001-of-00001.safetensors").write_bytes(b"partial")
+        (stale / "optimizer-partial.bin").write_bytes(b"partial")
     assert Run(tmp_path).ckpt.restore() == 1
     run.step()
     run.ckpt.save(2)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1", "step_2"]
+    # The new checkpoint holds what its manifest lists, nothing of the crashed save's files.
+    step_2 = tmp_path / "checkpoints/step_2"
+    assert sorted(p.name for p in step_2.iterdir()) == sorted([*inspect_checkpoint(step_2)["files"],
+                                                               "checkpoint.json"])
 
 
 def test_an_export_interrupted_before_clears_its_partial_folder(tmp_path):
@@ -268,12 +274,49 @@ def test_saving_a_step_again_replaces_its_checkpoint(tmp_path):
     assert_same(resumed.canonical(), run.canonical())
 
 
-def test_keep_last_prunes_older_checkpoints(tmp_path):
-    run = Run(tmp_path, keep_last=2)
+@pytest.mark.parametrize("keep_last, kept", [(1, ["step_4"]), (2, ["step_3", "step_4"])])
+def test_keep_last_prunes_older_checkpoints(tmp_path, keep_last, kept):
+    run = Run(tmp_path, keep_last=keep_last)
     for step in range(1, 5):
         run.step()
         run.ckpt.save(step)
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_3", "step_4"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == kept
+
+
+def test_the_checkpoint_just_saved_is_never_pruned(tmp_path):
+    """A run resumed from an older checkpoint by name (a branch) keeps each checkpoint it saves,
+    even when newer steps of the first run fill `keep_last`."""
+    run = Run(tmp_path, keep_last=0)
+    for step in (1, 2, 3, 4):
+        run.step()
+        run.ckpt.save(step)
+    branch = Run(tmp_path, resume=str(tmp_path / "checkpoints/step_1"), keep_last=1)
+    assert branch.ckpt.restore() == 1
+    branch.step()
+    assert branch.ckpt.save(2).is_dir()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2", "step_4"]
+
+
+def test_saving_reads_each_earlier_checkpoint_once(tmp_path, monkeypatch):
+    """Pruning checks the checksums of a checkpoint this process has not written or resumed (that
+    reads all of it) once; the one resumed and the ones written are known good."""
+    run = Run(tmp_path, keep_last=0)
+    for step in (1, 2):
+        run.step()
+        run.ckpt.save(step)
+    resumed = Run(tmp_path, keep_last=5)
+    assert resumed.ckpt.restore() == 2
+    inspected = []
+
+    def recording(path, **kwargs):
+        inspected.append(Path(path).name)
+        return inspect_checkpoint(path, **kwargs)
+
+    monkeypatch.setattr(checkpointer, "inspect_checkpoint", recording)
+    for step in (3, 4):
+        resumed.step()
+        resumed.ckpt.save(step)
+    assert inspected == ["step_1"]
 
 
 def test_every_step_saves_and_exports_with_an_interval_of_one(tmp_path):
@@ -286,8 +329,28 @@ def test_resume_none_refuses_to_mix_with_existing_checkpoints(tmp_path):
     run = Run(tmp_path)
     run.step()
     run.ckpt.save(1)
-    with pytest.raises(CheckpointError, match="resume=none"):
+    with pytest.raises(CheckpointError) as error:
         Run(tmp_path, resume="none").ckpt.restore()
+    assert str(error.value) == (
+        f"checkpoint.resume=none, but {tmp_path / 'checkpoints'} holds checkpoints of an earlier run that "
+        "later saves would mix with: resume them (checkpoint.resume=auto), or use another train.run_dir"
+    )
+
+
+def test_an_interrupted_finetuning_run_resumes_its_own_checkpoint_not_init_from(tmp_path):
+    base = Run(tmp_path / "base")
+    base.step()
+    init_from = base.ckpt.save(1)
+    finetune = Run(tmp_path / "ft", init_from=str(init_from))
+    assert finetune.ckpt.restore() == 0
+    for _ in range(2):
+        finetune.step()
+    own = finetune.ckpt.save(2)
+    again = Run(tmp_path / "ft", init_from=str(init_from))
+    assert again.ckpt.restore() == 2
+    assert_same(again.canonical(), finetune.canonical())
+    assert again.logs[-2:] == [f"checkpoint.init_from={init_from} ignored: resuming from {own}",
+                               f"resumed from {own} at step 2"]
 
 
 def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):

@@ -85,9 +85,22 @@ def test_each_worker_reads_its_own_part_of_the_stream(tmp_path):
     """With 2 workers, batches 0 and 1 come from readers 0 and 1, whose parts are different files."""
     corpus(tmp_path / "c")
     batches = take(build(stream_config(tmp_path / "c", num_workers=2, shuffle_buffer=0))[0], 2)
-    files = [{name[4] for name in re.findall(rb"doc \d-", bytes(b.inputs[b.inputs < 256].tolist()))}
-             for b in batches]
+    texts = [bytes(b.inputs[b.inputs < 256].tolist()) for b in batches]
+    files = [{name[4] for name in re.findall(rb"doc \d-", text)} for text in texts]
     assert all(files) and not files[0] & files[1], files
+    # Reader j of rank 0 reads shards j, j + 2, ...: each starts with its first file's first document.
+    assert texts[0].startswith(b"doc 0-0 ") and texts[1].startswith(b"doc 1-0 ")
+
+
+def test_a_resume_with_three_workers_continues_with_the_reader_whose_turn_it_is(tmp_path):
+    corpus(tmp_path / "c", files=3)
+    cfg = stream_config(tmp_path / "c", num_workers=3, shuffle_buffer=0)
+    reference = take(build(cfg)[0], 4)
+    first = build(cfg)[0]
+    take(first, 1)
+    resumed = build(cfg)[0]
+    resumed.load_state_dict(first.state_dict())
+    assert same(take(resumed, 3), reference[1:])
 
 
 def test_stream_state_saved_before_the_shuffle_pool_resumes_exactly(tmp_path):
@@ -116,6 +129,74 @@ def test_stream_packs_the_windows_the_stored_path_packs(tmp_path):
     stream = take(build(stream_config(tmp_path / "c", shuffle=False))[0], 10)
     assert same(stream, take(build(stored)[0], 10))
     assert {b.doc_ids.dtype for b in stream} == {torch.int32}  # torch.equal does not compare dtypes
+
+
+def test_a_stream_is_tokenized_with_the_runs_tokenizer_from_epoch_0(tmp_path):
+    tok, vocab = word_tokenizer(["<s>", "</s>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    texts = ["hello world the quick", "brown fox jumps over the lazy dog"] * 4
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    loader = build(stream_config(tmp_path / "c", tokenizer=str(tmp_path / "tokenizer.json"), seq_len=8,
+                                 shuffle=False))[0]
+    batch = take(loader, 1)[0]
+    ids = sum(([vocab["<s>"], *(vocab[w] for w in t.split()), vocab["</s>"]] for t in texts), [])
+    assert batch.inputs.tolist() == [ids[:8], ids[8:16]]
+    # Epochs count from 0 by 1, as the shuffle's seed and the checkpointed state name them.
+    assert loader.state_dict()["reader_states"][0]["epoch"] == 0
+    take(loader, 4)  # 81 tokens: into the second pass over the 60 of the file
+    assert loader.state_dict()["reader_states"][0]["epoch"] == 1
+
+
+def test_a_stream_without_document_boundaries_gives_no_document_ids(tmp_path):
+    corpus(tmp_path / "c")
+    batch = take(build(stream_config(tmp_path / "c", keep_document_boundaries=False))[0], 1)[0]
+    assert batch.doc_ids is None
+
+
+def test_streamed_training_skips_the_held_out_documents(tmp_path):
+    texts = corpus(tmp_path / "c", files=1, per_file=40)
+    held = {t for t in texts if held_out_by_content(t, 0.25)}
+    assert 0 < len(held) < 20
+    loader = build(stream_config(tmp_path / "c", val_fraction=0.25, val_tokens=1 << 12, shuffle=False))[0]
+    streamed = b"".join(bytes(b.inputs[b.inputs < 256].tolist()) for b in take(loader, 80)).decode()
+    read = set(re.findall(r"doc 0-\d+ ", streamed))
+    assert read == {t.split("words")[0] for t in texts if t not in held}
+
+
+def test_a_reader_whose_part_of_the_stream_is_empty_is_named(tmp_path):
+    corpus(tmp_path / "c", files=1, per_file=1)
+    with pytest.raises(ValueError, match=r"reader 0 of rank 1 found no documents in epoch 0 of its part "
+                                         r"\(1/2 of the stream\); the source has too few documents or "
+                                         r"shards for the ranks × data.num_workers$"):
+        take(build(stream_config(tmp_path / "c"), rank=1, world_size=2)[0], 1)
+
+
+def test_streamed_validation_is_the_first_val_tokens_of_its_source_in_the_runs_tokenizer(tmp_path):
+    tok, vocab = word_tokenizer(["<s>", "</s>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    texts = ["hello world the quick", "brown fox jumps over the lazy dog"] * 20
+    for folder in ("c", "v"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    cfg = stream_config(tmp_path / "c", tokenizer=str(tmp_path / "tokenizer.json"), seq_len=8,
+                        val_path=str(tmp_path / "v"), val_tokens=50)
+    val = build(cfg)[1]
+    assert next(iter(val)).inputs.dtype == torch.int64  # token ids, as the embedding takes them
+    stream = val._loader.dataset.stream
+    ids = sum(([vocab["<s>"], *(vocab[w] for w in t.split()), vocab["</s>"]] for t in texts), [])
+    assert stream.read(0, stream.num_tokens).tolist() == ids[:51]  # val_tokens inputs and one target
+
+
+def test_streamed_validation_without_documents_is_named(tmp_path):
+    corpus(tmp_path / "c")
+    (tmp_path / "v").mkdir()
+    (tmp_path / "v" / "empty.jsonl").write_text(json.dumps({"text": ""}) + "\n")
+    for overrides, reason in (({"val_path": str(tmp_path / "v")}, ""),
+                              ({"val_fraction": 1e-9}, r" held out \(data.val_fraction=1e-09\)")):
+        val = build(stream_config(tmp_path / "c", val_tokens=64, **{"val_fraction": 0.0} | overrides))[1]
+        with pytest.raises(ValueError, match=rf"^the validation data of .* has no documents{reason}$"):
+            next(iter(val))
 
 
 def test_state_of_another_reader_count_is_refused(tmp_path):

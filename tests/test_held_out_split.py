@@ -2,6 +2,7 @@
 streaming, SFT), by content, and a data state saved under the old split by index is refused."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -73,6 +74,16 @@ def test_sft_holds_out_conversations_by_content_not_by_their_place(tmp_path):
     as_messages = [{"messages": [{"role": "user", "content": r["prompt"]},
                                  {"role": "assistant", "content": r["response"]}]} for r in records]
     assert sft_validation(tmp_path, "messages.jsonl", as_messages) == held
+
+
+def test_the_conversations_held_out_of_a_file_stay_the_same(tmp_path):
+    """Which conversations validate is fixed by their content (split version 2): a resumed run, a
+    rerun or another release trains on none of the ones held out here, non-ASCII text included."""
+    records = [{"prompt": f"¿pregunta {i}?", "response": "respuesta " * (i % 3 + 1)} for i in range(40)]
+    held = sft_validation(tmp_path, "a.jsonl", records)
+    prompts = sorted(int(re.search(r"pregunta (\d+)", bytes(t for t in example if t < 256).decode())[1])
+                     for example in held)
+    assert prompts == [0, 1, 6, 10, 23, 24, 28, 32, 34, 36, 37, 39]
 
 
 def test_a_state_saved_under_the_split_by_index_is_refused_by_name(tmp_path):

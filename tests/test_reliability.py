@@ -5,6 +5,7 @@ validation that does not depend on the number of processes."""
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -57,29 +58,52 @@ def test_flipped_bits_are_refused_by_export_and_init_from(tmp_path):
         Run(tmp_path / "ft2", init_from=str(step_1)).ckpt.restore()
 
 
-def test_a_broken_newest_checkpoint_never_prunes_good_ones(tmp_path):
+@pytest.mark.parametrize("keep_last, kept", [(2, ["step_1", "step_2", "step_5"]), (1, ["step_2", "step_5"])])
+def test_a_broken_newest_checkpoint_never_prunes_good_ones(tmp_path, keep_last, kept):
     saved_run(tmp_path, steps=(1, 5))
     flip_bytes(shard(tmp_path / "checkpoints/step_5"))
-    resumed = Run(tmp_path, keep_last=2)
+    resumed = Run(tmp_path, keep_last=keep_last)
     assert resumed.ckpt.restore() == 1
     resumed.step()
     resumed.ckpt.save(2)
     # Counted: step_2 and step_1 (good); step_5 is broken, left for inspection, and not counted.
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1", "step_2", "step_5"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == kept
 
 
-def test_version_1_checkpoints_without_checksums_still_resume_with_a_warning(tmp_path):
-    saved_run(tmp_path, steps=(1,))
-    manifest_path = tmp_path / "checkpoints/step_1/checkpoint.json"
-    manifest = json.loads(manifest_path.read_text())
+def as_version_1(step_dir: Path) -> None:
+    """Rewrite a checkpoint's manifest as version 1 wrote it: each file's size, no checksums."""
+    manifest = json.loads((step_dir / "checkpoint.json").read_text())
     manifest["version"] = 1
     manifest["files"] = {name: record["bytes"] for name, record in manifest["files"].items()}
-    manifest_path.write_text(json.dumps(manifest))
-    resumed = Run(tmp_path)
+    (step_dir / "checkpoint.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("reached_by", ["resume=auto", "resume=<path>", "init_from", "keep_last"])
+def test_version_1_checkpoints_without_checksums_still_resume_with_a_warning(tmp_path, reached_by):
+    """However the run reaches a version 1 checkpoint (resuming it, naming it, starting from its
+    weights, or counting it for keep_last at two saves), the run's log says once that it cannot be
+    verified."""
+    saved_run(tmp_path, steps=(1, 2) if reached_by == "keep_last" else (1,))
+    step_1 = tmp_path / "checkpoints/step_1"
+    as_version_1(step_1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # said once, in the run's log, not also as a Python warning
-        assert resumed.ckpt.restore() == 1
-    assert sum("without checksums" in line and "cannot be verified" in line for line in resumed.logs) == 1
+        if reached_by == "resume=auto":
+            run = Run(tmp_path, keep_last=3)
+            assert run.ckpt.restore() == 1
+        elif reached_by == "resume=<path>":
+            run = Run(tmp_path / "other", resume=str(step_1))
+            assert run.ckpt.restore() == 1
+        elif reached_by == "init_from":
+            run = Run(tmp_path / "ft", init_from=str(step_1))
+            assert run.ckpt.restore() == 0
+        else:
+            run = Run(tmp_path, keep_last=3)
+            assert run.ckpt.restore() == 2
+        for step in (3, 4):
+            run.step()
+            run.ckpt.save(step)
+    assert sum("without checksums" in line and "cannot be verified" in line for line in run.logs) == 1
 
 
 def _files_ending(manifest, suffix):
@@ -89,10 +113,7 @@ def _files_ending(manifest, suffix):
 def test_version_1_checkpoints_inspected_without_a_log_give_a_python_warning(tmp_path):
     saved_run(tmp_path, steps=(1,))
     step_1 = tmp_path / "checkpoints/step_1"
-    manifest = json.loads((step_1 / "checkpoint.json").read_text())
-    manifest["version"] = 1
-    manifest["files"] = {name: record["bytes"] for name, record in manifest["files"].items()}
-    (step_1 / "checkpoint.json").write_text(json.dumps(manifest))
+    as_version_1(step_1)
     with pytest.warns(UserWarning) as record:
         inspect_checkpoint(step_1)
     assert [str(w.message) for w in record] == [
@@ -223,11 +244,46 @@ def test_disk_full_during_a_save_removes_the_partial_folder_and_keeps_the_last_c
             run.ckpt.save(2)
     message = str(error.value)
     assert "step_2 failed (OSError on rank 0: [Errno 28] No space left on device)" in message
-    assert "removed the partial .tmp-step_2" in message and "\n" not in message
+    assert message.endswith("removed the partial .tmp-step_2, earlier checkpoints are kept")
+    assert "\n" not in message
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_1"]
     assert Run(tmp_path).ckpt.restore() == 1
     run.ckpt.save(2)  # with room again the same run saves
     assert inspect_checkpoint(tmp_path / "checkpoints/step_2")["step"] == 2
+
+
+def test_a_checkpoints_folder_that_cannot_be_made_is_a_checkpoint_error(tmp_path, monkeypatch):
+    run = Run(tmp_path)
+    run.step()
+
+    def read_only(self, *args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    with pytest.raises(CheckpointError, match=r"^OSError: \[Errno 30\] Read-only file system$"):
+        run.ckpt.save(1)
+
+
+def test_saving_a_step_again_where_its_old_copy_cannot_be_removed_is_a_checkpoint_error(
+        tmp_path, monkeypatch):
+    """On NFS a file still open in the old copy makes its removal fail (EBUSY) after the new copy
+    took its place: the save is a CheckpointError naming that, and the new checkpoint is whole."""
+    run = saved_run(tmp_path, steps=(1,))
+    remove = shutil.rmtree
+
+    def busy_old_copies(path, *args, **kwargs):
+        if Path(path).name.startswith(".tmp-old-") and Path(path).exists():
+            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(path))
+        remove(path, *args, **kwargs)
+
+    run.step()
+    monkeypatch.setattr(shutil, "rmtree", busy_old_copies)
+    with pytest.raises(CheckpointError, match=r"saving .*step_1 failed \(\[Errno 16\] "
+                                              r"Device or resource busy: '.*\.tmp-old-step_1'\)"):
+        run.ckpt.save(1)
+    monkeypatch.undo()
+    assert Run(tmp_path).ckpt.restore() == 1
+    assert inspect_checkpoint(tmp_path / "checkpoints/step_1")["step"] == 1
 
 
 def test_unusable_run_dirs_are_one_line_errors(tmp_path, monkeypatch):

@@ -5,6 +5,7 @@ import gzip
 import json
 from itertools import islice
 
+import datasets
 import numpy as np
 import pytest
 import torch
@@ -13,7 +14,8 @@ from transformers import PreTrainedTokenizerFast
 
 from codatrain.config import DataConfig, load_config, validate
 from codatrain.data import build_loaders
-from codatrain.data.sft import SFTWindows, generation_prompt, make_encoder, to_messages
+from codatrain.data.config import SFTOverlong
+from codatrain.data.sft import Example, SFTWindows, generation_prompt, make_encoder, to_messages
 from codatrain.data.tokenizer import ByteTokenizer, load_tokenizer
 from codatrain.model.llama import IGNORE_INDEX
 
@@ -57,8 +59,31 @@ def test_plain_template_targets_exactly_the_assistant_turns():
         targets += [False] * len(header) + [learn] * (len(content) + 1)
     assert example.tokens.tolist() == expected
     assert example.is_target.tolist() == targets
-    decoded = bytes(t for t, m in zip(example.tokens, example.is_target, strict=True) if m and t < 256)
+    decoded = bytes(t for t in example.tokens[example.is_target].tolist() if t < 256)  # a boolean mask
     assert decoded == b"Hello!4"
+
+
+def test_a_tokenizer_without_bos_starts_the_plain_template_with_the_first_header(tmp_path):
+    """A GPT-2 style tokenizer (one delimiter, no BOS): the example and the generation prompt are
+    int64 token ids from the first header on."""
+    vocab = {w: i for i, w in enumerate(["[UNK]", "<|endoftext|>", "<|", "|>", "user", "assistant", "hi",
+                                         "hello"])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.add_special_tokens(["<|endoftext|>"])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    spec = str(tmp_path / "tokenizer.json")
+    tokenizer = load_tokenizer(spec)
+    assert tokenizer.bos_id is None and tokenizer.eos_id == vocab["<|endoftext|>"]
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    encode = make_encoder(DataConfig(format="sft", source="files", tokenizer=spec), tokenizer)[0]
+    example = encode(messages, "x")
+    words = ["<|", "user", "|>", "hi", "<|endoftext|>", "<|", "assistant", "|>", "hello", "<|endoftext|>"]
+    assert example.tokens.dtype == np.int64 and example.tokens.tolist() == [vocab[w] for w in words]
+    assert example.tokens[example.is_target].tolist() == [vocab["hello"], vocab["<|endoftext|>"]]
+    prompt, _ = generation_prompt(messages[:1], spec, tokenizer)
+    assert torch.tensor(prompt).dtype == torch.int64  # what generation feeds the model
+    assert prompt == [vocab[w] for w in words[:5] + ["<|", "assistant", "|>"]]
 
 
 def test_prompt_and_response_are_a_user_turn_and_the_reply():
@@ -149,10 +174,14 @@ def test_assistant_turns_a_template_does_not_write_have_no_targets(tmp_path):
 
 # ---- bad records --------------------------------------------------------------------------------
 @pytest.mark.parametrize("record, message", [
-    ({"text": "hello"}, r"a record needs `messages` .* or `prompt` and `response`; it has 'text'"),
+    ({"text": "hello", "id": 3}, r"a record needs `messages` .* or `prompt` and `response`; it has 'text', "
+                                 r"'id'$"),
+    ({}, r"a record needs `messages` .* or `prompt` and `response`; it has no fields$"),
     ({"prompt": "only a prompt"}, r"`response` is missing"),
+    ({"response": "only a reply"}, r"`prompt` is missing or not a string$"),
     ({"messages": []}, r"`messages` must be a non-empty list"),
-    ({"messages": [{"role": "robot", "content": "x"}]}, r"message 0 has the unknown role 'robot'"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, r"message 0 has the unknown role 'robot' "
+                                                         r"\(known: system, user, assistant\)$"),
     ({"messages": [{"role": "user"}]}, r"message 0 needs a string `role` and a string `content`"),
     ({"messages": [{"role": "user", "content": "hi"}]}, r"the conversation has no assistant message"),
     ([1, 2], r"a record must be a JSON object, got list"),
@@ -185,6 +214,28 @@ def test_format_sft_needs_files_or_hub():
         DataConfig(format="sft", source="embedded")
     run = validate(load_config(["data=sft", "data.path=x.jsonl"]))
     assert run.data.format == "sft" and run.data.keep_document_boundaries
+    for source, what in (("files", "a JSON-lines file, folder or glob"), ("hub", "the dataset name")):
+        with pytest.raises(ValueError) as error:
+            build(DataConfig(format="sft", source=source, path=None))
+        assert str(error.value) == f"data.format=sft with data.source={source} needs data.path ({what})"
+
+
+def test_a_validation_fraction_that_holds_out_nothing_is_named(tmp_path):
+    path = write_jsonl(tmp_path / "ex.jsonl", example_records([(2, 3), (1, 1), (5, 2), (3, 4)]))
+    with pytest.raises(ValueError) as error:
+        build(sft_config(tmp_path, path, val_fraction=1e-9))
+    assert str(error.value) == ("data.val_fraction=1e-09 holds out none of the 4 examples; raise it or give "
+                                "data.val_path")
+
+
+def test_a_record_the_chat_template_refuses_is_named_by_file_and_line(tmp_path):
+    chat_tokenizer(tmp_path / "tok", CHATML.replace(
+        "{% for", "{% if messages|length == 4 %}{{ raise_exception('four turns') }}{% endif %}{% for", 1))
+    turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    path = write_jsonl(tmp_path / "ex.jsonl", [{"messages": turn}, {"messages": turn * 2}])
+    with pytest.raises(ValueError, match=rf"^{path} line 2: the tokenizer's chat template refused the "
+                                         "conversation: four turns$"):
+        build(sft_config(tmp_path, path, tokenizer=str(tmp_path / "tok")))
 
 
 # ---- packing ------------------------------------------------------------------------------------
@@ -206,6 +257,9 @@ def test_examples_are_packed_whole_with_document_ids_and_padding_ignored(tmp_pat
     windows = train.dataset
     # Greedy, in order: 31 + 28 fit in 65 slots, 33 + 33 does not fit, so the last two are alone.
     assert len(windows) == 3 and sum(sizes) == windows.report.tokens
+    assert train.report == ("training data: 4 examples (the plain template) in 3 windows of 65 tokens, "
+                            "64% filled, 14 target tokens; 0 longer than a window truncated, "
+                            "0 without a target dropped")
     batches = list(islice(train, 3))
     first = batches[0]
     assert first.doc_ids[0].tolist() == [0] * 31 + [1] * 28 + [2] * 5  # padding is a document of its own
@@ -239,7 +293,9 @@ def test_overlong_examples_are_truncated_or_dropped_and_counted(tmp_path):
     dropped = build(sft_config(tmp_path, path, seq_len=46, sft_overlong="drop"))[0]
     report = dropped.dataset.report
     assert (report.truncated, report.dropped_long, report.dropped_no_target) == (0, 2, 0)
-    assert "2 longer than a window dropped" in dropped.report
+    assert dropped.report == ("training data: 4 examples (the plain template) in 2 windows of 47 tokens, "
+                              "82% filled, 15 target tokens; 2 longer than a window dropped, "
+                              "0 without a target dropped")
 
     with pytest.raises(ValueError, match="none of the 1 examples has a target"):
         build(sft_config(tmp_path, write_jsonl(tmp_path / "one.jsonl", example_records([(40, 5)])),
@@ -279,8 +335,42 @@ def test_a_conversation_the_chat_template_refuses_is_named_with_the_templates_re
 def test_an_example_of_exactly_a_window_is_kept_whole(tmp_path):
     assert plain_length(10, 11) == 46 + 1  # the slots of a window of seq_len 46
     path = write_jsonl(tmp_path / "ex.jsonl", example_records([(10, 11)]))
-    report = build(sft_config(tmp_path, path, seq_len=46, sft_overlong="drop"))[0].dataset.report
+    windows = build(sft_config(tmp_path, path, seq_len=46, sft_overlong="drop"))[0].dataset
+    report = windows.report
     assert (report.examples, report.dropped_long, report.truncated, report.tokens) == (1, 0, 0, 47)
+    assert len(windows) == report.windows == 1
+
+
+def example(tokens, targets):
+    return Example(np.array(tokens, dtype=np.int64), np.array(targets, dtype=bool))
+
+
+def test_windows_fill_exactly_and_never_target_an_examples_first_token():
+    """Examples packed into windows of 8 slots: two of 3 + 5 tokens fill one exactly; an example's
+    first token is never a target, though its encoder marked it (a chat template whose assistant
+    turn opens the conversation), as it would be predicted from the example before; an example whose
+    only target is its second token is kept; those without targets are dropped and counted."""
+    examples = [example([1, 2, 3], [1, 1, 1]), example([4, 5, 6, 7, 8], [1, 0, 0, 0, 1]),
+                example([9, 9], [0, 0]), example([9, 9, 9], [1, 0, 0]), example([10, 11], [1, 1])]
+    windows = SFTWindows(examples, seq_len=7, with_doc_ids=True, overlong=SFTOverlong.truncate, pad_id=0)
+    assert len(windows) == windows.report.windows == 2
+    assert (windows.report.examples, windows.report.dropped_no_target, windows.report.targets) == (5, 2, 4)
+    first, second = windows[0], windows[1]
+    assert first.tokens.tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert first.target_mask.tolist() == [True, True, False, False, False, False, True]  # 2, 3, 8
+    assert first.doc_ids.tolist() == [0, 0, 0, 1, 1, 1, 1]
+    assert second.tokens.tolist() == [10, 11, 0, 0, 0, 0, 0, 0]
+    assert second.target_mask.tolist() == [True] + [False] * 6
+    assert windows.describe("training", "a template", SFTOverlong.truncate) == (
+        "training data: 5 examples (a template) in 2 windows of 8 tokens, 62% filled, 4 target tokens; "
+        "0 longer than a window truncated, 2 without a target dropped")
+
+
+def test_max_documents_reads_the_first_records_only(tmp_path):
+    path = write_jsonl(tmp_path / "ex.jsonl", example_records([(2, 3), (1, 1), (5, 2), (3, 4)]))
+    train, _ = build(sft_config(tmp_path, path, max_documents=2))
+    assert train.dataset.report.examples == 2
+    assert train.dataset.tokens.tolist()[-2:] == [ord("b"), EOS]  # the second record ends the data
 
 
 # ---- splits, sources, the loader --------------------------------------------------------------
@@ -296,6 +386,7 @@ def test_validation_by_fraction_or_path_and_gzip(tmp_path):
     train, val = build(sft_config(tmp_path, path, val_path=str(packed)))
     assert (train.dataset.report.examples, val.dataset.report.examples) == (40, 5)
     assert val.report.startswith("validation data: 5 examples (the plain template)")
+    assert val.report.endswith("; 1 longer than a window truncated, 0 without a target dropped")
 
 
 def test_hub_datasets_go_through_the_datasets_loader(tmp_path):
@@ -314,6 +405,41 @@ def test_hub_datasets_go_through_the_datasets_loader(tmp_path):
     write_jsonl(bad / "train.jsonl", [{"messages": CONVERSATION}, unknown_role])
     with pytest.raises(ValueError, match=r"\[train\] row 1: message 0 has the unknown role 'x'"):
         build(sft_config(tmp_path, str(bad), source="hub", cache_dir=str(tmp_path / "cache")))
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_hub_datasets_validation_is_its_val_split_or_held_out_of_its_training_split(
+        tmp_path, monkeypatch, streaming):
+    """data.val_split reads that split of the configuration asked for, in the mode asked for and
+    into data.cache_dir (nothing in the default cache); data.max_documents and data.val_fraction
+    apply to the training split."""
+    repo = tmp_path / "repo"  # configurations a (the default) and b, each with train and test splits
+    records = {("a", "train"): [{"prompt": "a", "response": "A"}] * 2,
+               ("a", "test"): [{"prompt": "a", "response": "A"}],
+               ("b", "train"): [{"prompt": f"question {i}", "response": "B" * (i + 1)} for i in range(40)],
+               ("b", "test"): [{"prompt": "held", "response": "out"}] * 3}
+    readme = ["---", "configs:"]
+    for config in ("a", "b"):
+        readme += [f"- config_name: {config}", "  data_files:"]
+        for split in ("train", "test"):
+            (repo / config).mkdir(parents=True, exist_ok=True)
+            write_jsonl(repo / config / f"{split}.jsonl", records[config, split])
+            readme += [f"  - split: {split}", f"    path: {config}/{split}.jsonl"]
+        readme += ["  default: true"] if config == "a" else []
+    (repo / "README.md").write_text("\n".join([*readme, "---", ""]))
+    default_cache = tmp_path / "default-cache"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", default_cache)
+    cache = tmp_path / "cache"
+    hub = dict(source="hub", name="b", split="train", seq_len=128, streaming=streaming, cache_dir=str(cache))
+    train, val = build(sft_config(tmp_path, str(repo), val_split="test", max_documents=30, **hub))
+    assert (train.dataset.report.examples, val.dataset.report.examples) == (30, 3)
+    test_record = plain()(to_messages(records["b", "test"][0], "x"), "x").tokens
+    assert val.dataset[0].tokens[:len(test_record)].tolist() == test_record.tolist()
+    assert bool(list(cache.rglob("*.arrow"))) is not streaming and not default_cache.exists()
+
+    train, val = build(sft_config(tmp_path, str(repo), val_fraction=0.25, max_documents=30, **hub))
+    assert train.dataset.report.examples + val.dataset.report.examples == 30
+    assert 0 < val.dataset.report.examples < 15
 
 
 @pytest.mark.parametrize("streaming", [False, True])
