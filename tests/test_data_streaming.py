@@ -131,6 +131,22 @@ def test_stream_packs_the_windows_the_stored_path_packs(tmp_path):
     assert {b.doc_ids.dtype for b in stream} == {torch.int32}  # torch.equal does not compare dtypes
 
 
+def test_short_documents_keep_their_boundaries_where_a_refill_takes_several(tmp_path):
+    """Documents shorter than a window: each refill of the reader takes several, and every one of
+    them starts a document in the doc ids, as the stored path packs them."""
+    folder = tmp_path / "c"
+    folder.mkdir()
+    (folder / "part0.jsonl").write_text("".join(json.dumps({"text": f"d{i}" + " x" * (i % 3)}) + "\n"
+                                                for i in range(200)))
+    cfg = dict(seq_len=32, shuffle=False)
+    stored = DataConfig(source=DataSource.files, path=str(folder), val_fraction=0.0,
+                        keep_document_boundaries=True, num_workers=0, cache_dir=str(tmp_path / "cache"),
+                        **cfg)
+    stream = take(build(stream_config(folder, **cfg))[0], 8)
+    assert max(int(b.doc_ids.max()) for b in stream) >= 3  # several documents in a window
+    assert same(stream, take(build(stored)[0], 8))
+
+
 def test_a_stream_is_tokenized_with_the_runs_tokenizer_from_epoch_0(tmp_path):
     tok, vocab = word_tokenizer(["<s>", "</s>"])
     tok.save(str(tmp_path / "tokenizer.json"))
