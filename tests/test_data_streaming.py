@@ -376,6 +376,19 @@ def test_bad_rows_in_a_stream_are_skipped_and_counted(tmp_path):
     assert loader.skipped_rows[0] == 6
 
 
+def test_streamed_validation_skips_bad_rows_too(tmp_path):
+    """data.on_bad_data=skip holds for the validation stream as for training: its bad rows are
+    skipped, not fatal, and the held-out documents are read past them."""
+    folder = write_bad_corpus(tmp_path / "bad")
+    good = [f"held out or not {i}" for i in range(40)]
+    (folder / "c.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in good))
+    cfg = stream_config(folder, seq_len=4, on_bad_data=OnBadData.skip, val_fraction=0.5)
+    inputs = [t for b in build(cfg, batch_size=1)[1] for t in b.inputs[0].tolist()]
+    assert inputs and inputs[0] == BOS
+    held_out = [t for t in ["good one", "good two", "good three", *good] if held_out_by_content(t, 0.5)]
+    assert "".join(held_out).startswith(bytes(t for t in inputs if t < 256).decode())
+
+
 def test_a_broken_parquet_file_is_named(tmp_path):
     folder = tmp_path / "pq"
     folder.mkdir()
