@@ -58,7 +58,7 @@ def plot(path: Path, curves: dict[str, dict[int, float]], window: int, tolerance
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, height_ratios=(3, 1))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    (base_name, base), *others = curves.items()
+    base_name, base = next(iter(curves.items()))
     wbase = windowed(base, window)
     for (name, losses), color in zip(curves.items(), colors, strict=False):
         top.plot(list(losses), list(losses.values()), color=color, alpha=0.25, linewidth=0.8)
