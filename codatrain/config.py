@@ -140,6 +140,10 @@ class BlockConfig:
     # written by the quantize passes); false: in the compute dtype, from the tensors the backward
     # has anyway (slower on the cute stages: docs/benchmarks.md).
     fp8_wgrad: bool = True
+    # precision=fp8: every FP8 GEMM stage's mainloop on fast accumulation (the tensor cores' adder,
+    # about 14 bits), faster; false: only the stages whose outputs meet the kernel tests' criterion
+    # with it, the others promote to fp32 every k-tile (docs/benchmarks.md, "FP8 fast accumulation").
+    fp8_fast_accum: bool = False
 
     def __post_init__(self) -> None:
         if self.impl != BlockImpl.coda:
@@ -158,7 +162,7 @@ class BlockConfig:
         require_not_negative(self, "block", "fp8_margin")
         if self.precision != Precision.fp8:
             defaults = {f.name: f.default for f in dataclasses.fields(BlockConfig)}
-            for key in ("fp8_history_len", "fp8_margin", "fp8_grad_format", "fp8_wgrad"):
+            for key in ("fp8_history_len", "fp8_margin", "fp8_grad_format", "fp8_wgrad", "fp8_fast_accum"):
                 if getattr(self, key) != defaults[key]:
                     raise ValueError(f"block.{key}={getattr(self, key)} sets the FP8 recipe; it needs "
                                      "block.precision=fp8")

@@ -522,7 +522,7 @@ def fp8_fns(s: StageBackend, x: Inputs) -> dict[str, dict[str, Callable]]:
     of its shape with per-tensor and with per-row scales (`torch._scaled_mm`, the same fp32
     accumulation, no fast accumulation), and the bf16 stage. The quantize rows time the one pass
     over an activation that no epilogue writes in FP8, against a bf16 copy of it."""
-    from codatrain.kernels.cute import fp8_bwd_stages, fp8_stages, gemm_bwd_stages, quantize
+    from codatrain.kernels.cute import configs, fp8_bwd_stages, fp8_stages, gemm_bwd_stages, quantize
 
     e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -542,8 +542,8 @@ def fp8_fns(s: StageBackend, x: Inputs) -> dict[str, dict[str, Callable]]:
         }
 
     def residual_rms(a8: torch.Tensor, w8: torch.Tensor) -> Callable:
-        outs = fp8_stages.fp8_gemm_residual_rms_outputs(a8, w8, x.x, e4m3)
-        return lambda: fp8_stages.fp8_gemm_residual_rms(a8, w8, one, x.x, x.gamma, one, *outs)
+        outs = fp8_stages.fp8_gemm_residual_rms_outputs(a8, w8, x.x, e4m3, False)
+        return lambda: fp8_stages.fp8_gemm_residual_rms(a8, w8, one, x.x, x.gamma, one, *outs, False)
 
     preact, y, o = torch.empty_like(x.preact), torch.empty_like(x.y), torch.empty_like(x.attn_out)
     qkv = torch.empty_like(x.qkv)
@@ -551,13 +551,13 @@ def fp8_fns(s: StageBackend, x: Inputs) -> dict[str, dict[str, Callable]]:
     dx8, dpre8, dqkv8 = fp8(x.x, e5m2), fp8(x.preact, e5m2), fp8(x.dqkv, e5m2)
     w_down_t8, w_gu_t8, w_qkv_t8 = (w.t().contiguous() for w in (w_down8, w_gu8, w_qkv8))
     dswiglu_out = (torch.empty_like(x.preact), torch.empty_like(x.y), torch.empty_like(x.rstd))
-    row_tiles = gemm_bwd_stages.rms_bwd_row_tiles(x.m, "fp8_rms_bwd")
+    row_tiles = gemm_bwd_stages.rms_bwd_row_tiles(x.m, configs.fp8_stage_config("fp8_rms_bwd", False)[0])
     rms_out = (torch.empty_like(x.x), torch.empty_like(x.x),
                torch.empty(row_tiles, x.cfg.dim, device=x.x.device))
 
     def rms_bwd(dz8: torch.Tensor, w_t8: torch.Tensor) -> Callable:
         args = (one, x.x, x.gamma, x.rstd, x.zdz, x.x, *rms_out)
-        return lambda: fp8_bwd_stages.fp8_gemm_rms_bwd(dz8, w_t8, *args)
+        return lambda: fp8_bwd_stages.fp8_gemm_rms_bwd(dz8, w_t8, *args, False)
 
     rope = gemm_stages_rope_args(x)
     y_out = quantize.quantize_fp8_outputs(x.y, e4m3)
@@ -567,17 +567,19 @@ def fp8_fns(s: StageBackend, x: Inputs) -> dict[str, dict[str, Callable]]:
             "stage": residual_rms(o8, w_o8), **scaled_mm(o8, w_o8),
             "bf16 stage": lambda: s.gemm_residual_rms(x.attn_out, x.w_o, x.x, x.gamma)},
         "F2 gate/up · rstd + SwiGLU": {
-            "stage": lambda: fp8_stages.fp8_gemm_rstd_swiglu(h8, w_gu8, one, x.rstd, preact, y),
+            "stage": lambda: fp8_stages.fp8_gemm_rstd_swiglu(h8, w_gu8, one, x.rstd, preact, y, False),
             **scaled_mm(h8, w_gu8), "bf16 stage": lambda: s.gemm_rstd_swiglu(x.h, x.w_gu, x.rstd)},
         "F3 down-proj + residual + x² → h FP8": {
             "stage": residual_rms(y8, w_down8), **scaled_mm(y8, w_down8),
             "bf16 stage": lambda: s.gemm_residual_rms(x.y, x.w_down, x.x, x.gamma)},
         "F4 QKV · rstd + RoPE": {
-            "stage": lambda: fp8_stages.fp8_gemm_rstd_rope(h8, w_qkv8, one, x.rstd, x.positions, qkv, *rope),
+            "stage": lambda: fp8_stages.fp8_gemm_rstd_rope(h8, w_qkv8, one, x.rstd, x.positions, qkv, *rope,
+                                                           False),
             **scaled_mm(h8, w_qkv8),
             "bf16 stage": lambda: s.gemm_rstd_rope(x.h, x.w_qkv, x.rstd, x.positions, **x.rope)},
         "Bdswiglu down dgrad + dSwiGLU": {
-            "stage": lambda: fp8_bwd_stages.fp8_gemm_dswiglu(dx8, w_down_t8, one, x.preact, *dswiglu_out),
+            "stage": lambda: fp8_bwd_stages.fp8_gemm_dswiglu(dx8, w_down_t8, one, x.preact, *dswiglu_out,
+                                                             False),
             **scaled_mm(dx8, w_down_t8), "bf16 stage": lambda: s.gemm_dswiglu(x.x, x.w_down, x.preact)},
         "Brms_gu gate/up dgrad + RMSNorm bwd": {
             "stage": rms_bwd(dpre8, w_gu_t8), **scaled_mm(dpre8, w_gu_t8),
@@ -593,17 +595,23 @@ def fp8_fns(s: StageBackend, x: Inputs) -> dict[str, dict[str, Callable]]:
     }
 
 
-# Cooperative (tile_m, tile_n, cluster_m, cluster_n).
-FP8_CANDIDATES = [(128, 128, 2, 1), (128, 128, 1, 2), (128, 192, 2, 1), (128, 192, 1, 2), (128, 256, 2, 1),
-                  (128, 256, 1, 2), (256, 128, 1, 2), (256, 128, 2, 1)]
+# (tile_m, tile_n, cluster_m, cluster_n, pingpong, fast_accum): QuACK's FP8 mainloop promotes the
+# accumulator to fp32 after every k-tile unless on fast accumulation; promoted, it holds two
+# accumulators per thread, which pingpong tiles hold only 64 wide.
+FP8_CANDIDATES = [(128, 128, 1, 2, False, False), (128, 192, 1, 2, False, False),
+                  (128, 64, 1, 2, True, False), (128, 128, 1, 2, False, True), (128, 128, 1, 2, True, True),
+                  (128, 192, 2, 1, True, True), (192, 128, 1, 2, True, True)]
+FP8_STAGE_KEYS = {"F1": "fp8_residual_rms", "F2": "fp8_rstd_swiglu", "F3": "fp8_residual_rms",
+                  "F4": "fp8_rstd_rope", "Bdswiglu": "fp8_dswiglu", "Brms_gu": "fp8_rms_bwd",
+                  "Brms_qkv": "fp8_rms_bwd"}
 
 
-def overridden_call(key: str, config: object, fn: Callable) -> Callable:
-    """`fn` run with cute GEMM stage `key` under `config`."""
+def overridden_call(key: str, config: object, fn: Callable, fast_accum: bool | None = None) -> Callable:
+    """`fn` run with cute GEMM stage `key` under `config` (and FP8 `fast_accum` unless None)."""
     from codatrain.kernels.cute import configs
 
     def call() -> object:
-        with configs.overridden(key, config):
+        with configs.overridden(key, config, fast_accum=fast_accum):
             return fn()
 
     return call
@@ -611,23 +619,21 @@ def overridden_call(key: str, config: object, fn: Callable) -> Callable:
 
 def fp8_sweep(s: StageBackend, x: Inputs, device: torch.device, warmup: int, iters: int,
               stages: list[str]) -> dict:
-    """Each FP8 GEMM stage (those named in `stages`, or all) under each cooperative candidate tile
-    (`FP8_CANDIDATES`), timed interleaved with the stage's `_scaled_mm` tensorwise; a candidate
-    that fails is reported."""
+    """Each FP8 GEMM stage (those named in `stages`, or all) under each candidate tile and mainloop
+    (`FP8_CANDIDATES`), timed interleaved with the stage's `_scaled_mm` tensorwise; a candidate that
+    fails is reported."""
     from codatrain.kernels.cute import configs
 
-    keys = {"F1": "fp8_residual_rms", "F2": "fp8_rstd_swiglu", "F3": "fp8_residual_rms",
-            "F4": "fp8_rstd_rope", "Bdswiglu": "fp8_dswiglu", "Brms_gu": "fp8_rms_bwd",
-            "Brms_qkv": "fp8_rms_bwd"}
     results = {}
     for name, fns in fp8_fns(s, x).items():
         stage = name.split()[0]
-        if stage not in keys or (stages and stage not in stages):
+        if stage not in FP8_STAGE_KEYS or (stages and stage not in stages):
             continue
         timed = {"_scaled_mm tensorwise": fns["_scaled_mm tensorwise"]}
-        for tm, tn, cm, cn in FP8_CANDIDATES:
-            config = configs.sm90_config(tm, tn, pingpong=False, cluster_m=cm, cluster_n=cn)
-            timed[f"{tm}x{tn} c{cm}x{cn}"] = overridden_call(keys[stage], config, fns["stage"])
+        for tm, tn, cm, cn, pingpong, fast in FP8_CANDIDATES:
+            config = configs.sm90_config(tm, tn, pingpong=pingpong, cluster_m=cm, cluster_n=cn)
+            label = f"{'pp' if pingpong else 'coop'} {tm}x{tn} c{cm}x{cn} {'fast' if fast else 'promoted'}"
+            timed[label] = overridden_call(FP8_STAGE_KEYS[stage], config, fns["stage"], fast)
         for label, call in list(timed.items())[1:]:
             try:
                 call()
@@ -678,7 +684,7 @@ def main() -> None:
                    help="head section: chunk rows to time (default: the backend's head_chunk_rows)")
     p.add_argument("--fp8-sweep", nargs="*", metavar="STAGE",
                    help="fp8 section: also time FP8 GEMM stages (F1..F4, Bdswiglu, Brms_gu, Brms_qkv; "
-                        "none named: all) under candidate cooperative tiles")
+                        "none named: all) under candidate tiles and FP8 mainloops")
     p.add_argument("--json", type=Path, help="write the measurements to this file")
     args = p.parse_args()
     if args.tokens % args.seq_len:

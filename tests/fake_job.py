@@ -42,9 +42,10 @@ def main(shapes: KernelShapes) -> dict:
         # The cute stages without a device check (there is none), and fake parameters, initialised,
         # in bf16 (fake tensors cannot be converted by `Module.to`).
         torch.set_default_dtype(torch.bfloat16)
-        fp8 = (Fp8Recipe(grad_dtype=GRAD_FORMATS[shapes.fp8_grad_format], wgrad_fp8=shapes.fp8_wgrad)
-               if shapes.fp8 else None)
-        model = CodaLlama(cfg, ResolvedBlock("coda", "cute", "sdpa", CuteStages(), sdpa_attention), fp8=fp8)
+        fp8 = (Fp8Recipe(grad_dtype=GRAD_FORMATS[shapes.fp8_grad_format], wgrad_fp8=shapes.fp8_wgrad,
+                         fast_accum=shapes.fp8_fast_accum) if shapes.fp8 else None)
+        stages = CuteStages() if fp8 is None else CuteStages().for_fp8(fp8)
+        model = CodaLlama(cfg, ResolvedBlock("coda", "cute", "sdpa", stages, sdpa_attention), fp8=fp8)
         torch.set_default_dtype(torch.float32)
         tokens = torch.zeros(shapes.batch, shapes.seq_len, dtype=torch.int64)
         model(tokens, tokens).backward()

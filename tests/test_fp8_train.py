@@ -134,6 +134,8 @@ def test_a_nonfinite_amax_skips_the_update_and_keeps_the_history(tmp_path, monke
      r"^block.fp8_wgrad=False sets the FP8 recipe; it needs block.precision=fp8$"),
     ([*CODA, "block.fp8_margin=1"],
      r"^block.fp8_margin=1 sets the FP8 recipe; it needs block.precision=fp8$"),
+    ([*CODA, "block.fp8_fast_accum=true"],
+     r"^block.fp8_fast_accum=True sets the FP8 recipe; it needs block.precision=fp8$"),
     ([*FP8, "block.fp8_history_len=0"], r"^block.fp8_history_len must be positive, got 0$"),
 ])
 def test_fp8_keys_that_do_not_apply_are_refused_by_name(overrides, refusal):
@@ -161,6 +163,29 @@ def test_the_plan_takes_fp8_on_the_cute_stages_at_widths_of_whole_fp8_rows_and_n
             "delayed scaling over 16 steps, margin 1)" in plan.header()[0])
     plan = build_run_plan(validate(load_config(FP8)), torch.device("cpu"))
     assert plan.fp8.wgrad_fp8 and "weight gradients in FP8" in plan.header()[0]
+    assert not plan.fp8.fast_accum and "fast accumulation" not in plan.header()[0]
+
+
+def test_fp8_fast_accumulation_reaches_the_cute_stages_and_the_kernel_cache_key():
+    """block.fp8_fast_accum=true: the recipe says so in the run header, the plan's cute stages run
+    every FP8 stage on fast accumulation (their kernels differ: the cache key names it), and the
+    reference stages, which compute FP8 products exactly, are themselves."""
+    from codatrain.kernels.stages import get_backend
+
+    fast = ["block.fp8_fast_accum=true"]
+    plan = build_run_plan(validate(load_config([*FP8, *fast])), torch.device("cpu"))
+    assert plan.fp8.fast_accum and "margin 0; fast accumulation)" in plan.header()[0]
+    assert plan.block.stages is get_backend("reference")
+    cute = ["block=coda", "block.backend=cute", "block.precision=fp8", "model=llama3_125m"]
+    keys = [build_run_plan(validate(load_config([*cute, *extra])), None).kernel_shapes.key
+            for extra in ([], fast)]
+    assert keys[1] == keys[0] + " fp8_fast_accum"
+    pytest.importorskip("quack")
+    from codatrain.kernels.cute import CuteStages
+    from codatrain.kernels.fp8 import Fp8Recipe
+
+    assert CuteStages().for_fp8(Fp8Recipe(fast_accum=True)).fp8_fast_accum
+    assert not CuteStages().for_fp8(Fp8Recipe()).fp8_fast_accum
 
 
 def test_fsdp2_mixed_precision_leaves_the_fp8_state_as_it_is():

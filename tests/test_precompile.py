@@ -271,15 +271,18 @@ def test_precompile_tiny_for_sm90a(tmp_path, widths, fa4_kernels):
     reason="needs the cuda extras (nvidia-cutlass-dsl, quack-kernels, flash-attn-4) and triton",
 )
 def test_precompile_fp8_for_sm90a(tmp_path):
-    """block.precision=fp8, with the weight gradients in bf16 and then in FP8 (built into the same
-    cache: the second build compiles only what it adds). A job's two kinds of micro-step on fake
-    tensors, a run's first (current scaling: F1/F3 write h in bf16 and a quantize pass follows) and
-    a later one (delayed scaling: F1/F3 write h in FP8), then find every kernel they launch in the
-    cache (tests/fake_job.py): the FP8 layer GEMMs, forward and backward, and every quantize pass
-    with its format and width, row-major or into both orientations."""
+    """block.precision=fp8, with the weight gradients in bf16, then in FP8, then in FP8 with every
+    stage on fast accumulation (built into the same cache: a later build compiles only what it
+    adds). A job's two kinds of micro-step on fake tensors, a run's first (current scaling: F1/F3
+    write h in bf16 and a quantize pass follows) and a later one (delayed scaling: F1/F3 write h in
+    FP8), then find every kernel they launch in the cache (tests/fake_job.py): the FP8 layer GEMMs,
+    forward and backward, and every quantize pass with its format and width, row-major or into both
+    orientations."""
     # The second build loads all but a few kernels: one compile process is the quicker there.
-    for wgrad, quantize_passes, jobs in (("false", 8, "2"), ("true", 6, "1")):
-        overrides = [*FP8_STAGES, f"block.fp8_wgrad={wgrad}"]
+    builds = ((["block.fp8_wgrad=false"], 8, "2"), (["block.fp8_wgrad=true"], 6, "1"),
+              (["block.fp8_wgrad=true", "block.fp8_fast_accum=true"], 6, "2"))
+    for extra, quantize_passes, jobs in builds:
+        overrides = [*FP8_STAGES, *extra]
         proc = precompile_script("model=tiny", *overrides, f"kernels.cache_dir={tmp_path}", "--jobs", jobs)
         assert proc.returncode == 0, proc.stderr[-5000:]
         shapes = shapes_of(overrides)

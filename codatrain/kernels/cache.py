@@ -100,6 +100,7 @@ class KernelShapes:
     precision: str = "bf16"  # or "fp8" (block.precision), only with `stages`
     fp8_grad_format: str = "e5m2"  # block.fp8_grad_format: "e5m2" or "e4m3"
     fp8_wgrad: bool = False  # block.fp8_wgrad
+    fp8_fast_accum: bool = False  # block.fp8_fast_accum
 
     @property
     def fp8(self) -> bool:
@@ -121,7 +122,8 @@ class KernelShapes:
         if self.stages and self.qkv_bias:
             parts.append("qkv_bias")
         if self.fp8:
-            parts += ["fp8", f"grads_{self.fp8_grad_format}", *(["fp8_wgrad"] if self.fp8_wgrad else [])]
+            parts += ["fp8", f"grads_{self.fp8_grad_format}", *(["fp8_wgrad"] if self.fp8_wgrad else []),
+                      *(["fp8_fast_accum"] if self.fp8_fast_accum else [])]
         if self.fa4 and self.documents:
             parts.append("documents")
         return " ".join(parts)

@@ -156,6 +156,9 @@ class Fp8Recipe:
     # contiguous along the contraction, which for a weight gradient is the tokens, so FP8 weight
     # gradients need a token-contiguous FP8 copy of each of their operands.
     wgrad_fp8: bool = True
+    # Every FP8 GEMM stage of the cute backend on fast accumulation (block.fp8_fast_accum); the
+    # reference stages compute FP8 products exactly either way.
+    fast_accum: bool = False
 
     def format_of(self, operand: Operand) -> torch.dtype:
         return self.grad_dtype if operand in GRAD_OPERANDS else E4M3
@@ -173,8 +176,9 @@ class Fp8Recipe:
     def describe(self) -> str:
         grads = {v: k for k, v in GRAD_FORMATS.items()}[self.grad_dtype]
         wgrad = "in FP8" if self.wgrad_fp8 else "in the compute dtype"
+        accumulation = "; fast accumulation" if self.fast_accum else ""
         return (f"fp8 (e4m3, gradients {grads}, weight gradients {wgrad}; delayed scaling over "
-                f"{self.history_len} steps, margin {self.margin})")
+                f"{self.history_len} steps, margin {self.margin}{accumulation})")
 
 
 class Fp8Step:

@@ -70,7 +70,7 @@ from typing import NamedTuple, TypeVar
 
 import torch
 
-from codatrain.kernels.fp8 import Fp8Tensor, QuantizeTo
+from codatrain.kernels.fp8 import Fp8Recipe, Fp8Tensor, QuantizeTo
 
 T = TypeVar("T")
 
@@ -235,6 +235,12 @@ class StageBackend(ABC):
     def unsupported_reason(self, device: torch.device) -> str | None:
         """Why this backend cannot run on `device`, or None when it can."""
         return None
+
+    def for_fp8(self, recipe: Fp8Recipe) -> StageBackend:
+        """This backend as a run of FP8 recipe `recipe` uses it (the kernels of some backends depend
+        on the recipe; by default none do)."""
+        del recipe
+        return self
 
     def head_chunk_rows(self, vocab_size: int) -> int:
         """Rows per chunk of `lm_head_ce` for a vocabulary of `vocab_size`: about

@@ -117,6 +117,8 @@ def build_run_plan(run: RunConfig, device: torch.device | None, world_size: int 
     data = replace(run.data, tokenizer=tokenizer)
     block = resolve_block(run.block.impl, run.block.backend, run.block.attention, device, model_cfg.head_dim)
     fp8 = fp8_recipe(run.block)
+    if fp8 is not None and block.stages is not None:
+        block = replace(block, stages=block.stages.for_fp8(fp8))
     # Refused here, before anything compiles: a width or an epilogue the kernels cannot take would
     # otherwise stop the kernel build with a compiler error.
     problem = (block.unsupported_model(model_cfg.dim, model_cfg.ffn_dim, model_cfg.head_dim,
@@ -163,7 +165,8 @@ def fp8_recipe(block: BlockConfig) -> Fp8Recipe | None:
     if block.precision != Precision.fp8:
         return None
     return Fp8Recipe(history_len=block.fp8_history_len, margin=block.fp8_margin,
-                     grad_dtype=GRAD_FORMATS[str(block.fp8_grad_format)], wgrad_fp8=block.fp8_wgrad)
+                     grad_dtype=GRAD_FORMATS[str(block.fp8_grad_format)], wgrad_fp8=block.fp8_wgrad,
+                     fast_accum=block.fp8_fast_accum)
 
 
 def fp8_kernel_shapes(block: BlockConfig, fp8: Fp8Recipe | None, cute_stages: bool) -> dict[str, object]:
@@ -172,4 +175,4 @@ def fp8_kernel_shapes(block: BlockConfig, fp8: Fp8Recipe | None, cute_stages: bo
     if fp8 is None or not cute_stages:
         return {}
     return {"precision": str(block.precision), "fp8_grad_format": str(block.fp8_grad_format),
-            "fp8_wgrad": fp8.wgrad_fp8}
+            "fp8_wgrad": fp8.wgrad_fp8, "fp8_fast_accum": fp8.fast_accum}

@@ -119,10 +119,10 @@ def test_fp8_gemm_residual_rms(ref, shape, gemm, use_compile):
     h_scale = 448 / (fp32.h.abs().amax() * 1.25)  # a delayed scale: some headroom
 
     # Outputs poisoned outside the compiled call (Triton cannot fill an FP8 tensor).
-    outs = [nan_like(t) for t in fp8_stages.fp8_gemm_residual_rms_outputs(a8, w8, residual, E4M3)]
+    outs = [nan_like(t) for t in fp8_stages.fp8_gemm_residual_rms_outputs(a8, w8, residual, E4M3, False)]
 
     def run(a8, w8, ab_inv_scale, residual, g, h_scale, x, h, sq, amax):
-        fp8_stages.fp8_gemm_residual_rms(a8, w8, ab_inv_scale, residual, g, h_scale, x, h, sq, amax)
+        fp8_stages.fp8_gemm_residual_rms(a8, w8, ab_inv_scale, residual, g, h_scale, x, h, sq, amax, False)
         return x, h, sq, amax
 
     x, h8, sq, amax = staged(run, use_compile)(a8, w8, 1 / (sa * sw), residual, g, h_scale, *outs)
@@ -143,7 +143,7 @@ def test_fp8_gemm_rstd_swiglu(ref, shape, use_compile):
     def run(h8, w8, ab_inv_scale, rstd):
         preact = nan_like(fp32.preact, torch.bfloat16)
         y = nan_like(fp32.y, torch.bfloat16)
-        fp8_stages.fp8_gemm_rstd_swiglu(h8, w8, ab_inv_scale, rstd, preact, y)
+        fp8_stages.fp8_gemm_rstd_swiglu(h8, w8, ab_inv_scale, rstd, preact, y, False)
         return preact, y
 
     preact, y = staged(run, use_compile)(h8, w8, 1 / (sh * sw), rstd)
@@ -163,7 +163,7 @@ def test_fp8_gemm_rstd_rope(ref, shape, rope, use_compile):
 
     def run(h8, w8, ab_inv_scale, rstd, pos):
         qkv = nan_like(fp32, torch.bfloat16)
-        fp8_stages.fp8_gemm_rstd_rope(h8, w8, ab_inv_scale, rstd, pos, qkv, *args)
+        fp8_stages.fp8_gemm_rstd_rope(h8, w8, ab_inv_scale, rstd, pos, qkv, *args, False)
         return qkv
 
     check("qkv", staged(run, use_compile)(h8, w8, 1 / (sh * sw), rstd, pos), bf16, fp32)

@@ -28,9 +28,10 @@ from codatrain.kernels.cute import (
     rowwise,
 )
 from codatrain.kernels.cute.common import empty, padded_width, rows_of_whole_vectors
+from codatrain.kernels.cute.configs import fp8_stage_config
 from codatrain.kernels.cute.fp8_bwd_stages import fp8_mm, k_major_t
 from codatrain.kernels.cute.quantize import quantize_to
-from codatrain.kernels.fp8 import Fp8Tensor, QuantizeTo, fp8_max, scale_from_amax
+from codatrain.kernels.fp8 import Fp8Recipe, Fp8Tensor, QuantizeTo, fp8_max, scale_from_amax
 from codatrain.kernels.stages import (
     IGNORE_INDEX,
     DSwigluOut,
@@ -82,7 +83,15 @@ def _maybe_quantize(x: torch.Tensor, to: QuantizeTo | None) -> torch.Tensor | Fp
 
 class CuteStages(StageBackend):
     """Every CODA stage as a Hopper kernel: CuTeDSL epilogues on QuACK's GEMM, row kernels, and
-    cuBLAS for the plain dgrad/wgrad."""
+    cuBLAS for the plain dgrad/wgrad. `fp8_fast_accum` (block.fp8_fast_accum): every FP8 stage's
+    mainloop on fast accumulation, not only those that meet the stage tests' criterion with it
+    (configs.FP8_FAST_ACCUM)."""
+
+    def __init__(self, fp8_fast_accum: bool = False) -> None:
+        self.fp8_fast_accum = fp8_fast_accum
+
+    def for_fp8(self, recipe: Fp8Recipe) -> CuteStages:
+        return CuteStages(fp8_fast_accum=recipe.fast_accum)
 
     def unsupported_reason(self, device: torch.device) -> str | None:
         if not is_sm90(device):
@@ -131,9 +140,9 @@ class CuteStages(StageBackend):
         direct = h_fp8 is not None and h_fp8.scale is not None
         h_scale = h_fp8.scale if direct else torch.ones((), dtype=STAT, device=residual.device)
         x, h, sq, amax = fp8_stages.fp8_gemm_residual_rms_outputs(
-            a.data, weight.data, residual, h_fp8.dtype if direct else residual.dtype)
+            a.data, weight.data, residual, h_fp8.dtype if direct else residual.dtype, self.fp8_fast_accum)
         fp8_stages.fp8_gemm_residual_rms(a.data, weight.data, _ab_inv_scale(a, weight), residual, gamma,
-                                         h_scale, x, h, sq, amax)
+                                         h_scale, x, h, sq, amax, self.fp8_fast_accum)
         h_amax = amax.amax()
         if direct:
             return ResidualOut(x, Fp8Tensor(h, h_scale, residual.dtype, h_amax), sq)
@@ -156,7 +165,8 @@ class CuteStages(StageBackend):
         if isinstance(h, Fp8Tensor):
             _check_fp8("gemm_rstd_swiglu", h, weight)
             out = SwigluOut(empty(m, n, like=rstd, dtype=h.dtype), empty(m, n // 2, like=rstd, dtype=h.dtype))
-            fp8_stages.fp8_gemm_rstd_swiglu(h.data, weight.data, _ab_inv_scale(h, weight), rstd, *out)
+            fp8_stages.fp8_gemm_rstd_swiglu(h.data, weight.data, _ab_inv_scale(h, weight), rstd, *out,
+                                            self.fp8_fast_accum)
         else:
             _check_activations("gemm_rstd_swiglu", h, weight)
             out = SwigluOut(empty(m, n, like=h), empty(m, n // 2, like=h))
@@ -182,7 +192,8 @@ class CuteStages(StageBackend):
                 raise ValueError("cute gemm_rstd_rope: FP8 operands take no QKV bias")
             qkv = empty(h.shape[0], weight.shape[0], like=rstd, dtype=h.dtype)
             fp8_stages.fp8_gemm_rstd_rope(h.data, weight.data, _ab_inv_scale(h, weight), rstd, positions, qkv,
-                                          head_dim, rope_heads, *gemm_stages.rope_args(rope))
+                                          head_dim, rope_heads, *gemm_stages.rope_args(rope),
+                                          self.fp8_fast_accum)
             return qkv
         _check_activations("gemm_rstd_rope", h, weight, *([] if bias is None else [bias]))
         qkv = empty(h.shape[0], weight.shape[0], like=h)
@@ -300,10 +311,10 @@ class CuteStages(StageBackend):
         _check_fp8("gemm_rms_bwd", dz, weight)
         _check_activations("gemm_rms_bwd", x, gamma, *(() if residual_grad is None else (residual_grad,)))
         m, d = x.shape
-        out = RmsBwdOut(empty(m, d, like=x), empty(m, d, like=x),
-                        empty(gemm_bwd_stages.rms_bwd_row_tiles(m, "fp8_rms_bwd"), d, like=x, dtype=STAT))
+        tiles = gemm_bwd_stages.rms_bwd_row_tiles(m, fp8_stage_config("fp8_rms_bwd", self.fp8_fast_accum)[0])
+        out = RmsBwdOut(empty(m, d, like=x), empty(m, d, like=x), empty(tiles, d, like=x, dtype=STAT))
         fp8_bwd_stages.fp8_gemm_rms_bwd(dz.data, k_major_t(weight), _ab_inv_scale(dz, weight), x, gamma,
-                                        rstd, zdz, residual_grad, *out)
+                                        rstd, zdz, residual_grad, *out, self.fp8_fast_accum)
         return out
 
     def gemm_rms_bwd_fp8(
@@ -333,7 +344,7 @@ class CuteStages(StageBackend):
             _check_fp8("gemm_dswiglu", dout, weight)
             _check_activations("gemm_dswiglu", preact)
             fp8_bwd_stages.fp8_gemm_dswiglu(dout.data, k_major_t(weight), _ab_inv_scale(dout, weight),
-                                            preact, *out)
+                                            preact, *out, self.fp8_fast_accum)
         else:
             _check_activations("gemm_dswiglu", dout, weight, preact)
             gemm_bwd_stages.gemm_dswiglu(dout, weight, preact, *out)

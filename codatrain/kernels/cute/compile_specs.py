@@ -212,7 +212,7 @@ def _fp8_forward_kernels(s: KernelShapes) -> list[KernelSpec]:
     call them. F1 and F3 write h in FP8 themselves with a delayed scale, and in the activation
     dtype (then one quantize pass) with current scaling, a run's first step; F3 of the last layer
     writes the LM head's h in the activation dtype, the current-scaling kernel."""
-    st, m, d, f = CuteStages(), _tokens(s), s.dim, s.ffn_dim
+    st, m, d, f = CuteStages(s.fp8_fast_accum), _tokens(s), s.dim, s.ffn_dim
     rope = {"head_dim": s.head_dim, "rope_heads": s.n_heads + s.n_kv_heads, "rope": _ANY_ROPE}
 
     def residual_rms(k: int, h_fp8: QuantizeTo) -> object:
@@ -284,7 +284,8 @@ def _fp8_backward_kernels(s: KernelShapes) -> list[KernelSpec]:
     gradients are FP8, which then also take the stages' outputs quantized into both orientations).
     Every FP8 norm backward adds the residual path's gradient (the one without it is the
     full-logits head's, in bf16); `k_major_t` is no kernel: it reads the producer's copies."""
-    st, m, d, f, grad, wgrad = CuteStages(), _tokens(s), s.dim, s.ffn_dim, _grad_dtype(s), s.fp8_wgrad
+    st, m, d, f = CuteStages(s.fp8_fast_accum), _tokens(s), s.dim, s.ffn_dim
+    grad, wgrad = _grad_dtype(s), s.fp8_wgrad
 
     def dswiglu() -> object:
         outputs = {"y_fp8": _delayed(E4M3, True), "dpreact_fp8": _delayed(grad, True)} if wgrad else {}

@@ -30,8 +30,9 @@ def sm90_config(tile_m: int, tile_n: int, *, pingpong: bool, cluster_m: int, clu
 _PINGPONG_128x192 = sm90_config(128, 192, pingpong=True, cluster_m=2, cluster_n=1)
 _PINGPONG_192x128 = sm90_config(192, 128, pingpong=True, cluster_m=1, cluster_n=2)
 _PINGPONG_128x128 = sm90_config(128, 128, pingpong=True, cluster_m=1, cluster_n=2)
-# FP8 operands (fp8_stages.py): QuACK adds the WGMMA accumulator into an fp32 copy after every
-# k-tile, two accumulators per thread, which pingpong tiles (one warpgroup per tile) spill.
+# FP8 operands (fp8_stages.py): QuACK's FP8 mainloop adds the WGMMA accumulator into an fp32 one
+# after every k-tile, two accumulators per thread, which pingpong tiles (one warpgroup per tile)
+# spill; on fast accumulation (FP8_FAST_ACCUM) it keeps one, and pingpong tiles take it.
 _COOPERATIVE_128x128 = sm90_config(128, 128, pingpong=False, cluster_m=1, cluster_n=2)
 _COOPERATIVE_128x192 = sm90_config(128, 192, pingpong=False, cluster_m=1, cluster_n=2)
 
@@ -51,30 +52,51 @@ _CONFIGS: dict[str, GemmConfig] = {
     # dSwiGLU's epilogue reads the pre-activation and writes two tensors per output element of a
     # short (K = d) mainloop: 128×128 tiles hide that traffic behind the next tile's mainloop.
     "dswiglu": _PINGPONG_128x128,
-    # FP8 forward (fp8_stages.py), from the 8B-width sweep (docs/benchmarks.md, "FP8 forward stages")
+    # FP8 forward (fp8_stages.py), from the 8B-width sweeps (docs/benchmarks.md, "FP8 fast accumulation")
     "fp8_residual_rms": _COOPERATIVE_128x128,  # F1 and F3
-    "fp8_rstd_swiglu": _COOPERATIVE_128x192,  # F2
-    "fp8_rstd_rope": _COOPERATIVE_128x192,  # F4
-    # FP8 backward (fp8_bwd_stages.py): not swept yet, the forward's cooperative 128×128
+    "fp8_rstd_swiglu": _PINGPONG_128x128,  # F2, fast accumulation
+    "fp8_rstd_rope": _PINGPONG_128x128,  # F4, fast accumulation
+    # FP8 backward (fp8_bwd_stages.py)
     "fp8_rms_bwd": _COOPERATIVE_128x128,  # norm backward in the gate/up and QKV dgrads
     "fp8_dswiglu": _COOPERATIVE_128x128,  # dSwiGLU in the down-projection's dgrad
 }
-_overrides: dict[str, GemmConfig] = {}
+# The FP8 stages that run on fast accumulation (the tensor cores' adder keeps about 14 bits): those
+# whose outputs still meet the stage tests' criterion with it (tests/gpu/test_cute_fp8_backend.py).
+# F1/F3's Σx² and the backward stages' dγ and Σ g·dg + u·du do not (docs/benchmarks.md, "FP8 fast
+# accumulation"); they take it only when a run asks (block.fp8_fast_accum), in these tiles.
+FP8_FAST_ACCUM = frozenset({"fp8_rstd_swiglu", "fp8_rstd_rope"})
+_FP8_FAST_CONFIGS: dict[str, GemmConfig] = {
+    "fp8_residual_rms": _PINGPONG_128x128,
+    "fp8_rms_bwd": _PINGPONG_128x128,
+    "fp8_dswiglu": _PINGPONG_128x128,
+}
+_overrides: dict[str, tuple[GemmConfig, bool | None]] = {}
 
 STAGES = tuple(_CONFIGS)
 
 
 def gemm_config(stage: str) -> GemmConfig:
     """The tile config of `stage` (one of STAGES)."""
-    return _overrides.get(stage) or _CONFIGS[stage]
+    return _overrides[stage][0] if stage in _overrides else _CONFIGS[stage]
+
+
+def fp8_stage_config(stage: str, fast_accum: bool) -> tuple[GemmConfig, bool]:
+    """The tile config of FP8 stage `stage` and whether its mainloop runs on fast accumulation: its
+    own choice (FP8_FAST_ACCUM), or, in a run that asks for it (`fast_accum`), every stage fast."""
+    fast = fast_accum or stage in FP8_FAST_ACCUM
+    if stage in _overrides:
+        config, fast_override = _overrides[stage]
+        return config, fast if fast_override is None else fast_override
+    return (_FP8_FAST_CONFIGS.get(stage, _CONFIGS[stage]) if fast else _CONFIGS[stage]), fast
 
 
 @contextlib.contextmanager
-def overridden(stage: str, config: GemmConfig) -> Iterator[None]:
-    """Run `stage` with `config` inside the block (for benchmarks: `bench_block.py --sweep`)."""
+def overridden(stage: str, config: GemmConfig, *, fast_accum: bool | None = None) -> Iterator[None]:
+    """Run `stage` with `config` (and, for an FP8 stage, on fast accumulation or not unless None)
+    inside the block (for benchmarks, `bench_block.py --sweep` and `--fp8-sweep`, and GPU tests)."""
     if stage not in _CONFIGS:
         raise KeyError(f"no cute GEMM stage {stage!r}; known: {', '.join(STAGES)}")
-    _overrides[stage] = config
+    _overrides[stage] = (config, fast_accum)
     try:
         yield
     finally:

@@ -20,12 +20,12 @@ from __future__ import annotations
 import torch
 from quack.activation import dswiglu
 from quack.dsl.torch_library_op import cute_op
-from quack.epilogue.frontend import gemm_epilogue, pack, unpack
+from quack.epilogue.frontend import pack, unpack
 from quack.epilogue.ops import ColVecLoad, ColVecReduce, RowVecLoad, RowVecReduce, Scalar, TileLoad
 from torch import Tensor
 
 from codatrain.kernels.cute.common import aligned16
-from codatrain.kernels.cute.configs import gemm_config
+from codatrain.kernels.cute.fp8_stages import fp8_epilogue
 from codatrain.kernels.cute.pins import scaled_mm
 from codatrain.kernels.fp8 import Fp8Tensor
 
@@ -50,7 +50,7 @@ _FP8_RMS_BWD_OPS = {
 }
 
 
-@gemm_epilogue(outputs=("n",), ops=_FP8_RMS_BWD_OPS, reduces={"dgamma": RowVecReduce("dgamma", scaled=True)})
+@fp8_epilogue(outputs=("n",), ops=_FP8_RMS_BWD_OPS, reduces={"dgamma": RowVecReduce("dgamma", scaled=True)})
 def fp8_rms_bwd_epi(acc, x, gamma, rstd, zdz, ab_inv_scale, inv_dim):
     """RMSNorm backward on FP8 operands, no residual path."""
     dn = acc * ab_inv_scale
@@ -58,7 +58,7 @@ def fp8_rms_bwd_epi(acc, x, gamma, rstd, zdz, ab_inv_scale, inv_dim):
     return {"D": rstd * (dn * gamma - xr * (zdz * inv_dim)), "n": xr * gamma, "dgamma": (dn, xr)}
 
 
-@gemm_epilogue(outputs=("n",), ops=_FP8_RMS_BWD_OPS, reduces={"dgamma": RowVecReduce("dgamma", scaled=True)})
+@fp8_epilogue(outputs=("n",), ops=_FP8_RMS_BWD_OPS, reduces={"dgamma": RowVecReduce("dgamma", scaled=True)})
 def fp8_rms_bwd_residual_epi(acc, c, x, gamma, rstd, zdz, ab_inv_scale, inv_dim):
     """RMSNorm backward on FP8 operands plus the residual-path gradient C of the same x."""
     dn = acc * ab_inv_scale
@@ -69,22 +69,23 @@ def fp8_rms_bwd_residual_epi(acc, c, x, gamma, rstd, zdz, ab_inv_scale, inv_dim)
 @cute_op("codatrain::cute_fp8_gemm_rms_bwd", mutates_args=("dx", "n", "dgamma_partials"), device_types="cuda")
 def fp8_gemm_rms_bwd(
     dz: Tensor, weight_t: Tensor, ab_inv_scale: Tensor, x: Tensor, gamma: Tensor, rstd: Tensor, zdz: Tensor,
-    residual_grad: Tensor | None, dx: Tensor, n: Tensor, dgamma_partials: Tensor,
+    residual_grad: Tensor | None, dx: Tensor, n: Tensor, dgamma_partials: Tensor, fast_accum: bool,
 ) -> None:
     """`gemm_bwd_stages.gemm_rms_bwd` on FP8 operands: dn = dz·W/(s_dz·s_w), dz (M, N) FP8 and
-    weight_t = Wᵀ (K, N) FP8, contiguous; dx, n in x's dtype, dγ partials as there."""
+    weight_t = Wᵀ (K, N) FP8, contiguous; dx, n in x's dtype, dγ partials as there; `fast_accum`
+    the run's block.fp8_fast_accum."""
     epilogue = fp8_rms_bwd_epi if residual_grad is None else fp8_rms_bwd_residual_epi
     epilogue(
-        dz, weight_t.t(), residual_grad, out={"D": dx, "n": n}, config=gemm_config("fp8_rms_bwd"),
-        tuned=False, x=x, gamma=aligned16(gamma), rstd=aligned16(rstd), zdz=aligned16(zdz),
-        ab_inv_scale=ab_inv_scale, inv_dim=1.0 / x.shape[1], dgamma=dgamma_partials,
+        "fp8_rms_bwd", fast_accum, dz, weight_t.t(), residual_grad, out={"D": dx, "n": n}, x=x,
+        gamma=aligned16(gamma), rstd=aligned16(rstd), zdz=aligned16(zdz), ab_inv_scale=ab_inv_scale,
+        inv_dim=1.0 / x.shape[1], dgamma=dgamma_partials,
     )
 
 
 # ---- dSwiGLU in the down-projection's FP8 dgrad ------------------------------------------------------
 
 
-@gemm_epilogue(outputs=("postact",), ops={"ab_inv_scale": Scalar("ab_inv_scale")},
+@fp8_epilogue(outputs=("postact",), ops={"ab_inv_scale": Scalar("ab_inv_scale")},
                reduces={"dsum": ColVecReduce("dsum")}, mode="packed_cd_b16x2")
 def fp8_dswiglu_epi(acc, c, ab_inv_scale):
     """QuACK's `dswiglu_dpreact_mod` with dy = acc/(s_dout·s_w): C the pre-activation pairs (g, u);
@@ -97,13 +98,13 @@ def fp8_dswiglu_epi(acc, c, ab_inv_scale):
 @cute_op("codatrain::cute_fp8_gemm_dswiglu", mutates_args=("dpreact", "y", "zdz"), device_types="cuda")
 def fp8_gemm_dswiglu(
     dout: Tensor, weight_t: Tensor, ab_inv_scale: Tensor, preact: Tensor, dpreact: Tensor, y: Tensor,
-    zdz: Tensor,
+    zdz: Tensor, fast_accum: bool,
 ) -> None:
     """`gemm_bwd_stages.gemm_dswiglu` on FP8 operands: dy = dout·W_down/(s·s_w), dout (M, d) FP8 and
-    weight_t = W_downᵀ (F, d) FP8, contiguous."""
+    weight_t = W_downᵀ (F, d) FP8, contiguous; `fast_accum` the run's block.fp8_fast_accum."""
     result = fp8_dswiglu_epi(
-        dout, weight_t.t(), preact, out={"D": dpreact, "postact": y}, config=gemm_config("fp8_dswiglu"),
-        tuned=False, ab_inv_scale=ab_inv_scale,
+        "fp8_dswiglu", fast_accum, dout, weight_t.t(), preact, out={"D": dpreact, "postact": y},
+        ab_inv_scale=ab_inv_scale,
     )
     zdz.copy_(result["dsum"])
 

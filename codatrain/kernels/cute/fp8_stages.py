@@ -4,11 +4,13 @@ Operands are per-tensor scaled FP8 (data ≈ x·scale, docs/design.md §3 "FP8")
 the FP8 values with fp32 accumulation and the epilogue multiplies the sum by `ab_inv_scale` =
 1/(s_a·s_b), a 0-d fp32 device tensor, so a delayed scale never crosses to the host.
 
-The mainloop is QuACK's own FP8 path, which adds the WGMMA accumulator into an fp32 register copy
-after every k-tile (no fast accumulation). Its speed depends on the tile: in 128×128 cooperative
-tiles (configs.py) it runs at cuBLAS's per-tensor-scaled FP8 speed (`_scaled_mm`, same
-accumulation) at every Llama layer shape measured; pingpong tiles hold two accumulators per
-thread and spill (docs/benchmarks.md, "FP8 GEMMs").
+The mainloop is QuACK's FP8 mainloop, in one of two modes per stage (`Fp8Epilogue`,
+configs.fp8_stage_config): it adds the WGMMA accumulator into an fp32 register copy after every
+k-tile, two accumulators per thread, which cooperative tiles hold (pingpong tiles spill), or it
+keeps the sum in the tensor cores' accumulator (fast accumulation, about 14 bits), one
+accumulator, which pingpong tiles take: the stages whose outputs meet the stage tests' criterion
+with it run so by default, the others when a run asks (block.fp8_fast_accum; docs/benchmarks.md,
+"FP8 fast accumulation").
 
 Producers write the next GEMM's operand in FP8 in their epilogue, with the scale they are given,
 and the per-column-tile max |value| partials of what they quantized (the amax the delayed scaling
@@ -17,25 +19,47 @@ records).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import cutlass.cute as cute
 import torch
 from quack.activation import swiglu
 from quack.dsl.torch_library_op import cute_op
-from quack.epilogue.frontend import gemm_epilogue, pack, unpack
+from quack.epilogue.frontend import EpiMod, pack, unpack
 from quack.epilogue.ops import ColVecLoad, ColVecReduce, RowVecLoad, Scalar
 from torch import Tensor
 
-from codatrain.kernels.cute.configs import gemm_config
+from codatrain.kernels.cute.configs import fp8_stage_config
 from codatrain.kernels.cute.gemm_stages import rope_freq
-from codatrain.kernels.cute.pins import sincos_turns
+from codatrain.kernels.cute.pins import FastAccumEpiMod, sincos_turns
 
 
-def fp8_column_tiles(n: int) -> int:
+class Fp8Epilogue:
+    """An FP8 stage's epilogue GEMM (what QuACK's `gemm_epilogue` builds from `fn` and `spec`) in
+    both FP8 mainloops; a call of `stage` runs the tile and mainloop configs.fp8_stage_config
+    gives for the run's `fast_accum` (block.fp8_fast_accum)."""
+
+    def __init__(self, fn: Callable, **spec: Any) -> None:
+        self.promoted, self.fast = EpiMod(fn, **spec), FastAccumEpiMod(fn, **spec)
+
+    def __call__(self, stage: str, fast_accum: bool, *args: Any, **kwargs: Any) -> dict:
+        config, fast = fp8_stage_config(stage, fast_accum)
+        return (self.fast if fast else self.promoted)(*args, config=config, tuned=False, **kwargs)
+
+
+def fp8_epilogue(**spec: Any) -> Callable[[Callable], Fp8Epilogue]:
+    """`quack.epilogue.frontend.gemm_epilogue` for an FP8 stage: the decorated function becomes an
+    `Fp8Epilogue`."""
+    return lambda fn: Fp8Epilogue(fn, **spec)
+
+
+def fp8_column_tiles(n: int, fast_accum: bool) -> int:
     """Column tiles of the FP8 F1/F3 stage over an output of width `n` (its per-tile partials)."""
-    return -(-n // gemm_config("fp8_residual_rms").tile_n)
+    return -(-n // fp8_stage_config("fp8_residual_rms", fast_accum)[0].tile_n)
 
 
-@gemm_epilogue(
+@fp8_epilogue(
     outputs=("resid_out",),
     ops={"gamma": RowVecLoad("gamma"), "ab_inv_scale": Scalar("ab_inv_scale"),
          "h_scale": Scalar("h_scale")},
@@ -53,21 +77,22 @@ def fp8_residual_rms_epi(acc, c, gamma, ab_inv_scale, h_scale):
          device_types="cuda")
 def fp8_gemm_residual_rms(
     a: Tensor, weight: Tensor, ab_inv_scale: Tensor, residual: Tensor, gamma: Tensor, h_scale: Tensor,
-    x: Tensor, h: Tensor, sq_partials: Tensor, amax_partials: Tensor,
+    x: Tensor, h: Tensor, sq_partials: Tensor, amax_partials: Tensor, fast_accum: bool,
 ) -> None:
     """x = residual + (a·Wᵀ)/(s_a·s_b), h = FP8(x ⊙ γ · h_scale), sq_partials and amax_partials
-    (M, fp8_column_tiles) fp32 of x² and max |x ⊙ γ|. a (M, K) and weight (N, K) FP8."""
+    (M, fp8_column_tiles) fp32 of x² and max |x ⊙ γ|. a (M, K) and weight (N, K) FP8; `fast_accum`
+    the run's block.fp8_fast_accum (as every FP8 stage's)."""
     fp8_residual_rms_epi(
-        a, weight.t(), residual, out={"D": h, "resid_out": x}, config=gemm_config("fp8_residual_rms"),
-        tuned=False, gamma=gamma, ab_inv_scale=ab_inv_scale, h_scale=h_scale, sqsum=sq_partials,
-        amax=amax_partials,
+        "fp8_residual_rms", fast_accum, a, weight.t(), residual, out={"D": h, "resid_out": x}, gamma=gamma,
+        ab_inv_scale=ab_inv_scale, h_scale=h_scale, sqsum=sq_partials, amax=amax_partials,
     )
 
 
-def fp8_gemm_residual_rms_outputs(a: Tensor, weight: Tensor, residual: Tensor, h_dtype: torch.dtype):
+def fp8_gemm_residual_rms_outputs(a: Tensor, weight: Tensor, residual: Tensor, h_dtype: torch.dtype,
+                                  fast_accum: bool):
     """Allocated outputs (x, h, sq_partials, amax_partials) of `fp8_gemm_residual_rms`."""
     m, n = a.shape[0], weight.shape[0]
-    tiles = fp8_column_tiles(n)
+    tiles = fp8_column_tiles(n, fast_accum)
     return (torch.empty_like(residual), torch.empty(m, n, dtype=h_dtype, device=a.device),
             torch.empty(m, tiles, dtype=torch.float32, device=a.device),
             torch.empty(m, tiles, dtype=torch.float32, device=a.device))
@@ -75,7 +100,7 @@ def fp8_gemm_residual_rms_outputs(a: Tensor, weight: Tensor, residual: Tensor, h
 
 # F2 stores y in 16 bits: on sm_90 QuACK writes the half-width (gated) output of an acc_pair
 # epilogue only in 16-bit types, so y reaches FP8 through `quantize.quantize_fp8`.
-@gemm_epilogue(
+@fp8_epilogue(
     outputs=("postact",),
     ops={"rstd": ColVecLoad("rstd"), "ab_inv_scale": Scalar("ab_inv_scale")},
     mode="acc_pair",
@@ -89,16 +114,16 @@ def fp8_rstd_swiglu_epi(acc, rstd, ab_inv_scale):
 
 @cute_op("codatrain::cute_fp8_gemm_rstd_swiglu", mutates_args=("preact", "y"), device_types="cuda")
 def fp8_gemm_rstd_swiglu(
-    h: Tensor, weight: Tensor, ab_inv_scale: Tensor, rstd: Tensor, preact: Tensor, y: Tensor
+    h: Tensor, weight: Tensor, ab_inv_scale: Tensor, rstd: Tensor, preact: Tensor, y: Tensor, fast_accum: bool
 ) -> None:
     """preact = rstd ⊙ (h·Wᵀ)/(s_h·s_w) and y = silu(g)·u, h (M, d) and weight (2F, d) FP8."""
     fp8_rstd_swiglu_epi(
-        h, weight.t(), out={"D": preact, "postact": y}, config=gemm_config("fp8_rstd_swiglu"), tuned=False,
-        rstd=rstd, ab_inv_scale=ab_inv_scale,
+        "fp8_rstd_swiglu", fast_accum, h, weight.t(), out={"D": preact, "postact": y}, rstd=rstd,
+        ab_inv_scale=ab_inv_scale,
     )
 
 
-@gemm_epilogue(
+@fp8_epilogue(
     ops={"pos": ColVecLoad("pos"), "freq": RowVecLoad("freq"), "rstd": ColVecLoad("rstd"),
          "ab_inv_scale": Scalar("ab_inv_scale")},
     mode="acc_pair",
@@ -119,12 +144,13 @@ def fp8_gemm_rstd_rope(
     h: Tensor, weight: Tensor, ab_inv_scale: Tensor, rstd: Tensor, positions: Tensor, qkv: Tensor,
     head_dim: int, rope_heads: int, rope_theta: float, rope_type: str, rope_factor: float,
     rope_low_freq_factor: float, rope_high_freq_factor: float, rope_original_max_positions: int,
+    fast_accum: bool,
 ) -> None:
     """qkv = rope(rstd ⊙ (h·Wᵀ)/(s_h·s_w)), h (M, d) and weight (N_qkv, d) FP8; the rope_*
     arguments as in `gemm_stages.gemm_rstd_rope`."""
     freq = rope_freq(head_dim, rope_heads, weight.shape[0], h.device, rope_theta, rope_type, rope_factor,
                      rope_low_freq_factor, rope_high_freq_factor, rope_original_max_positions)
     fp8_rstd_rope_epi(
-        h, weight.t(), out={"D": qkv}, config=gemm_config("fp8_rstd_rope"), tuned=False,
-        pos=positions.to(torch.float32), freq=freq, rstd=rstd, ab_inv_scale=ab_inv_scale,
+        "fp8_rstd_rope", fast_accum, h, weight.t(), out={"D": qkv}, pos=positions.to(torch.float32),
+        freq=freq, rstd=rstd, ab_inv_scale=ab_inv_scale,
     )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from quack.dsl.torch_library_op import cute_op
 from quack.epilogue.library import dswiglu_dpreact_mod
-from quack.gemm_config import cta_tile_shape_m
+from quack.gemm_config import GemmConfig, cta_tile_shape_m
 from quack.gemm_interface import gemm_add_inplace
 from torch import Tensor
 
@@ -25,9 +25,10 @@ from codatrain.kernels.cute.epilogues import rms_bwd_epi, rms_bwd_residual_epi
 # ---- RMSNorm backward in the consumer's dgrad ----------------------------------------------------
 
 
-def rms_bwd_row_tiles(m: int, stage: str = "rms_bwd") -> int:
-    """Row tiles of the RMSNorm backward's GEMM (config key `stage`) over m rows (its dγ partials)."""
-    cfg = gemm_config(stage)
+def rms_bwd_row_tiles(m: int, cfg: GemmConfig | None = None) -> int:
+    """Row tiles over m rows (its dγ partials) of the RMSNorm backward's GEMM in tile config `cfg`
+    (None: the bf16 stage's)."""
+    cfg = cfg or gemm_config("rms_bwd")
     tile_m = cta_tile_shape_m(cfg.tile_m, cfg.cluster_m, cfg.device_capacity)
     return (m + tile_m - 1) // tile_m
 

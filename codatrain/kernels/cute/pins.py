@@ -14,6 +14,8 @@ installed. `tests/test_layering.py` checks that no other cute module imports a p
   without its Triton glue.
 - `jit_compilers`, `fa4_caches`, `kernel_counts`: what a process compiled, read from QuACK's
   `jit_cache` wrappers and FA4's compile caches.
+- `FastAccumEpiMod`: a QuACK epilogue GEMM with FP8 fast accumulation, through the attribute of
+  QuACK's SM90 GEMM object that chooses its FP8 mainloop.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import contextlib
 import functools
 import importlib
 import importlib.metadata
+import inspect
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -31,10 +34,12 @@ from unittest import mock
 import quack.cute_dsl_utils
 import quack.epilogue.ops
 import quack.gemm_interface
+import quack.gemm_sm90
 import quack.gemm_tvm_ffi_utils
 import quack.linear_cross_entropy
 import torch
 from quack.cache import CacheInfo
+from quack.epilogue.frontend import EpiMod
 
 
 def pinned(package: str) -> str:
@@ -76,6 +81,25 @@ rmsnorm_bwd_impl = private_name("quack.rmsnorm", "_rmsnorm_bwd_f", QUACK)._init_
 FakeTensorMode = private_name("torch._subclasses.fake_tensor", "FakeTensorMode", "torch")
 # cuBLAS's FP8 GEMM with per-tensor (or per-row) scales: torch has no public FP8 matmul.
 scaled_mm = private_name("torch", "_scaled_mm", "torch")
+
+# QuACK's SM90 GEMM adds an FP8 mainloop's WGMMA accumulator into a second, fp32 one after every
+# k-tile unless this attribute of the GEMM object is False (fast accumulation: the sum stays in the
+# WGMMA accumulator, whose adder keeps about 14 bits, DeepSeek-V3 §3.3.2). No public switch reaches
+# it for an epilogue GEMM; `EpiMod.gemm`'s `post_init_attrs` sets it before the trace.
+_FP8_SLOW_ACCUM = "fp8_slow_accum"
+if f"self.{_FP8_SLOW_ACCUM} =" not in inspect.getsource(quack.gemm_sm90.GemmSm90.__init__):
+    raise ImportError(f"quack.gemm_sm90.GemmSm90.{_FP8_SLOW_ACCUM}, a private name of {QUACK} that "
+                      f"codatrain uses, is gone; codatrain pins {pinned(QUACK)}, and {QUACK} "
+                      f"{installed(QUACK)} is installed")
+
+
+class FastAccumEpiMod(EpiMod):
+    """A QuACK epilogue GEMM (as `quack.epilogue.frontend.gemm_epilogue` builds) whose FP8 mainloop
+    runs on fast accumulation: one accumulator per thread instead of two, which pingpong tiles
+    need. The attribute is part of QuACK's compile keys, so it is a kernel of its own."""
+
+    def gemm(self, *args: Any, post_init_attrs: tuple = (), **kwargs: Any) -> Any:
+        return super().gemm(*args, post_init_attrs=(*post_init_attrs, (_FP8_SLOW_ACCUM, False)), **kwargs)
 
 
 @contextlib.contextmanager
