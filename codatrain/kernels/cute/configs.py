@@ -34,7 +34,6 @@ _PINGPONG_128x128 = sm90_config(128, 128, pingpong=True, cluster_m=1, cluster_n=
 # after every k-tile, two accumulators per thread, which pingpong tiles (one warpgroup per tile)
 # spill; on fast accumulation (FP8_FAST_ACCUM) it keeps one, and pingpong tiles take it.
 _COOPERATIVE_128x128 = sm90_config(128, 128, pingpong=False, cluster_m=1, cluster_n=2)
-_COOPERATIVE_128x192 = sm90_config(128, 192, pingpong=False, cluster_m=1, cluster_n=2)
 
 _CONFIGS: dict[str, GemmConfig] = {
     # forward (gemm_stages.py)
