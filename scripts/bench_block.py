@@ -26,6 +26,7 @@ Llama block complete the table. Times are medians of many runs, all measured in 
     python scripts/bench_block.py --impl reference --model tiny --tokens 512 --device cpu
     python scripts/bench_block.py --model llama3_1b --tokens 32768 --sections head --compile \
         --head-chunks 2048 4096 8192                                # the training LM head alone
+    python scripts/bench_block.py --tokens 16384 --sections fp8 quantize  # FP8 stages, quantize passes
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from pathlib import Path
 import torch
 
 from codatrain.kernels.attention import get_attention
+from codatrain.kernels.fp8 import QuantizeTo
 from codatrain.kernels.resolve import resolve_block
 from codatrain.kernels.stages import IGNORE_INDEX, StageBackend, get_backend
 from codatrain.model.coda import CodaLayer, ForwardStep
@@ -520,9 +522,8 @@ def ablate(x: Inputs, device: torch.device, stages: list[str], warmup: int, iter
 def fp8_fns(s: StageBackend, x: Inputs) -> dict[str, dict[str, Callable]]:
     """Per FP8 GEMM stage (block.precision=fp8), forward and backward: the stage, cuBLAS's FP8 GEMM
     of its shape with per-tensor and with per-row scales (`torch._scaled_mm`, the same fp32
-    accumulation, no fast accumulation), and the bf16 stage. The quantize rows time the one pass
-    over an activation that no epilogue writes in FP8, against a bf16 copy of it."""
-    from codatrain.kernels.cute import configs, fp8_bwd_stages, fp8_stages, gemm_bwd_stages, quantize
+    accumulation, no fast accumulation), and the bf16 stage."""
+    from codatrain.kernels.cute import configs, fp8_bwd_stages, fp8_stages, gemm_bwd_stages
 
     e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -545,8 +546,7 @@ def fp8_fns(s: StageBackend, x: Inputs) -> dict[str, dict[str, Callable]]:
         outs = fp8_stages.fp8_gemm_residual_rms_outputs(a8, w8, x.x, e4m3, False)
         return lambda: fp8_stages.fp8_gemm_residual_rms(a8, w8, one, x.x, x.gamma, one, *outs, False)
 
-    preact, y, o = torch.empty_like(x.preact), torch.empty_like(x.y), torch.empty_like(x.attn_out)
-    qkv = torch.empty_like(x.qkv)
+    preact, y, qkv = torch.empty_like(x.preact), torch.empty_like(x.y), torch.empty_like(x.qkv)
     # Backward: gradients in e5m2, the dgrads' transposed weights (K-major B operands).
     dx8, dpre8, dqkv8 = fp8(x.x, e5m2), fp8(x.preact, e5m2), fp8(x.dqkv, e5m2)
     w_down_t8, w_gu_t8, w_qkv_t8 = (w.t().contiguous() for w in (w_down8, w_gu8, w_qkv8))
@@ -560,8 +560,6 @@ def fp8_fns(s: StageBackend, x: Inputs) -> dict[str, dict[str, Callable]]:
         return lambda: fp8_bwd_stages.fp8_gemm_rms_bwd(dz8, w_t8, *args, False)
 
     rope = gemm_stages_rope_args(x)
-    y_out = quantize.quantize_fp8_outputs(x.y, e4m3)
-    o_out = quantize.quantize_fp8_outputs(x.attn_out, e4m3)
     return {
         "F1 out-proj + residual + x² → h FP8": {
             "stage": residual_rms(o8, w_o8), **scaled_mm(o8, w_o8),
@@ -587,11 +585,38 @@ def fp8_fns(s: StageBackend, x: Inputs) -> dict[str, dict[str, Callable]]:
         "Brms_qkv QKV dgrad + RMSNorm bwd": {
             "stage": rms_bwd(dqkv8, w_qkv_t8), **scaled_mm(dqkv8, w_qkv_t8),
             "bf16 stage": lambda: s.gemm_rms_bwd(x.dqkv, x.w_qkv, x.x, x.gamma, x.rstd, x.zdz, x.x)},
+    }
+
+
+def quantize_fns(x: Inputs) -> dict[str, dict[str, Callable]]:
+    """The FP8 quantize passes over what no epilogue writes in FP8 (block.precision=fp8), each
+    against a bf16 copy of its input: row-major (y, the attention output: 3 bytes moved per
+    element, the copy 4), and as the backward calls the transposing pass: a gradient into both
+    orientations (4 bytes, as the copy), a weight for its dgrad (its amax first, then Wᵀ alone)
+    and a weight gradient's activation operand into the transposed copy alone (3 bytes)."""
+    from codatrain.kernels.cute import quantize
+
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    one = torch.ones((), device=x.x.device)
+    y_out = quantize.quantize_fp8_outputs(x.y, e4m3)
+    o_out = quantize.quantize_fp8_outputs(x.attn_out, e4m3)
+    both = QuantizeTo(e5m2, one, transposed=True)
+    alone = QuantizeTo(e4m3, one, transposed=True, rows=False)
+    preact, y, o, w_gu = (torch.empty_like(t) for t in (x.preact, x.y, x.attn_out, x.w_gu))
+    return {
         "quantize y (M × F)": {
             "stage": lambda: quantize.quantize_fp8(x.y, one, *y_out), "bf16 copy": lambda: y.copy_(x.y)},
         "quantize attention output": {
             "stage": lambda: quantize.quantize_fp8(x.attn_out, one, *o_out),
             "bf16 copy": lambda: o.copy_(x.attn_out)},
+        "quantize dpreact, both orientations": {
+            "stage": lambda: quantize.quantize_to(x.preact, both),
+            "bf16 copy": lambda: preact.copy_(x.preact)},
+        "quantize y, transposed alone": {
+            "stage": lambda: quantize.quantize_to(x.y, alone), "bf16 copy": lambda: y.copy_(x.y)},
+        "quantize W_gu for its dgrad (amax + Wᵀ)": {
+            "stage": lambda: quantize.quantize_to(x.w_gu, alone._replace(scale=None)),
+            "bf16 copy": lambda: w_gu.copy_(x.w_gu)},
     }
 
 
@@ -674,7 +699,7 @@ def main() -> None:
                    help="split these cute stages' cost over cuBLAS into QuACK's plain GEMM, its GEMM + C "
                         "and the epilogue, at each stage's own config (none: the layer stages)")
     p.add_argument("--sections", nargs="*", default=["stages", "layer", "fwd_bwd"],
-                   choices=["stages", "layer", "fwd_bwd", "head", "fp8"],
+                   choices=["stages", "layer", "fwd_bwd", "head", "fp8", "quantize"],
                    help="stages: every stage alone; layer: attention and the layer forward; "
                         "fwd_bwd: the layer forward + backward against eager, compile and the floor; "
                         "head: the training LM head forward + backward against its peers and floor; "
@@ -774,6 +799,15 @@ def main() -> None:
             print(f"{name:40s} " + "  ".join(parts), flush=True)
         if args.fp8_sweep is not None:
             results["fp8_sweep"] = fp8_sweep(s, x, device, args.warmup, args.iters, args.fp8_sweep)
+    if "quantize" in args.sections:
+        results["quantize"] = {}
+        print(f"\nFP8 quantize passes ({args.model}, M={args.tokens}; ratios to a bf16 copy of the input)")
+        for name, fns in quantize_fns(x).items():
+            times = dict(zip(fns, median_ms(list(fns.values()), device, warmup=args.warmup, iters=args.iters),
+                             strict=True))
+            results["quantize"][name] = times
+            print(f"{name:40s} stage {times['stage']:.3f} ms  bf16 copy {times['bf16 copy']:.3f} ms "
+                  f"({times['stage'] / times['bf16 copy']:.3f}x)", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

@@ -77,6 +77,11 @@ def test_delayed_scales_come_from_the_history_of_earlier_steps_only():
     step = scaling.step_view(record=True)
     # A gradient the FP8 weight gradient reads token-contiguous: quantized into both orientations.
     assert step.to(0, Operand.qkv_grad) == QuantizeTo(E5M2, None, 1, transposed=True)
+    # What only a weight gradient reads (n), and a weight in its dgrad: the transposed copy alone.
+    assert step.to(0, Operand.gate_up_wgrad_in) == QuantizeTo(E4M3, None, 1, transposed=True, rows=False)
+    assert scaling.recipe.weight(for_dgrad=True) == QuantizeTo(E4M3, None, 1, transposed=True, rows=False)
+    assert scaling.recipe.weight(for_dgrad=False) == QuantizeTo(E4M3, None, 1)
+    assert step.to(0, Operand.qkv_in) == QuantizeTo(E4M3, None, 1)  # the forward's h: rows only
     for amax in (3.0, 7.0):  # two micro-batches: the step records their max
         step.record(0, Operand.down_in, fp8.quantize(torch.tensor([amax]), step.to(0, Operand.down_in)))
     scaling.commit_step()

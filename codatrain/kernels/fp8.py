@@ -53,6 +53,10 @@ class QuantizeTo(NamedTuple):
     # contracts over its rows (a weight's dgrad, a weight gradient's token-contiguous operands).
     # A layout request only; the values are the same.
     transposed: bool = False
+    # With `transposed`, False leaves the row-major copy out: an operand that only GEMMs
+    # contracting over its rows read (a weight in its dgrad, a weight gradient's activation
+    # operand). `Fp8Tensor.data` is then a view of the transposed copy.
+    rows: bool = True
 
 
 class Fp8Tensor(NamedTuple):
@@ -170,8 +174,8 @@ class Fp8Recipe:
 
     def weight(self, *, for_dgrad: bool) -> QuantizeTo:
         """How a weight is quantized: e4m3, its own current amax; for the dgrad (which reads Wᵀ)
-        transposed too, for the forward GEMM its rows only."""
-        return QuantizeTo(E4M3, None, self.margin, transposed=for_dgrad)
+        transposed only, for the forward GEMM its rows only."""
+        return QuantizeTo(E4M3, None, self.margin, transposed=for_dgrad, rows=not for_dgrad)
 
     def describe(self) -> str:
         grads = {v: k for k, v in GRAD_FORMATS.items()}[self.grad_dtype]
@@ -201,7 +205,9 @@ class Fp8Step:
     def to(self, layer: int, operand: Operand) -> QuantizeTo:
         scale = None if self.scales is None else self.scales[layer, operand]
         transposed = self.recipe.wgrad_fp8 and operand in WGRAD_OPERANDS
-        return QuantizeTo(self.recipe.format_of(operand), scale, self.recipe.margin, transposed)
+        # Only a weight gradient reads the WGRAD_ONLY operands: their transposed copy alone.
+        rows = not (transposed and operand in WGRAD_ONLY_OPERANDS)
+        return QuantizeTo(self.recipe.format_of(operand), scale, self.recipe.margin, transposed, rows)
 
     def record(self, layer: int, operand: Operand, quantized: Fp8Tensor) -> None:
         if self.step_amax is not None:

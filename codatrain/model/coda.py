@@ -188,8 +188,11 @@ def _mlp_backward(
     wgrad_fp8 = _wgrad_fp8(f)
     fp8_args = {}
     if wgrad_fp8:
-        o = s.quantize(o, QuantizeTo(f.recipe.format_of(Operand.out_in), o_scale, transposed=True))
-        fp8_args = {"y_fp8": QuantizeTo(f.recipe.format_of(Operand.down_in), y_scale, transposed=True),
+        # o and y are read by their weight gradients only here: token-contiguous copies alone.
+        o = s.quantize(o, QuantizeTo(f.recipe.format_of(Operand.out_in), o_scale, transposed=True,
+                                     rows=False))
+        fp8_args = {"y_fp8": QuantizeTo(f.recipe.format_of(Operand.down_in), y_scale, transposed=True,
+                                        rows=False),
                     **_fp8_arg(f, layer, Operand.gate_up_grad, "dpreact_fp8")}
     dpreact, y, zdz = s.gemm_dswiglu(dx2_operand, wq_down, preact, **fp8_args)
     dw_down = s.wgrad(dx2_operand if wgrad_fp8 else dx2, y)

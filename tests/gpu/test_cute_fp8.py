@@ -38,6 +38,7 @@ from cute_check import (  # noqa: E402
 
 from codatrain.kernels.cute import fp8_stages, quantize  # noqa: E402
 from codatrain.kernels.cute.gemm_stages import rope_args  # noqa: E402
+from codatrain.kernels.fp8 import QuantizeTo  # noqa: E402
 from codatrain.kernels.stages import get_backend  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -78,17 +79,24 @@ def test_quantize_fp8(shape, fmt, use_compile):
     torch.testing.assert_close(row_amax, x.float().abs().amax(1), rtol=0, atol=0)
 
 
+# (rows, columns): whole 64 × 128 tiles; partial tiles with 16-byte stores; sizes that are
+# multiples of 8 only (8-byte stores).
+TRANSPOSE_SIZES = [(8192, 14336), (1008, 2832), (1000, 2816)]
+
+
 @pytest.mark.parametrize("rows_out", [True, False], ids=["both", "transposed_only"])
 @pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
-def test_quantize_transpose_fp8(shape, fmt, rows_out, use_compile):
+@pytest.mark.parametrize("size", TRANSPOSE_SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_quantize_transpose_fp8(size, fmt, rows_out, use_compile):
     """Both orientations bit-equal to torch's saturating cast (and its transpose), the per-tile
     amaxes exact: the token-contiguous FP8 copies a weight gradient reads, and transposed weights."""
-    x = randn(shape.tokens, shape.ffn_dim)
+    x = randn(*size)
     x[::97, ::13] *= 40
     scale = torch.finfo(fmt).max / (x.float().abs().amax() / 8)
     rows, cols = x.shape
-    out = torch.empty(rows, cols, dtype=fmt, device=DEVICE) if rows_out else None
-    out_t = torch.empty(cols, rows, dtype=fmt, device=DEVICE)
+    # Poisoned, so that a value the kernel does not write is caught (NaN in both formats).
+    out = nan_like(x, fmt) if rows_out else None
+    out_t = nan_like(x.t(), fmt)
     tile_amax = torch.full(quantize.transpose_tiles(rows, cols), float("nan"), device=DEVICE)
 
     def run(x, scale, out, out_t, tile_amax):
@@ -102,10 +110,24 @@ def test_quantize_transpose_fp8(shape, fmt, rows_out, use_compile):
     if rows_out:
         assert torch.equal(out.view(torch.uint8), expected.view(torch.uint8))
     tiles_r, tiles_c = tile_amax.shape
-    padded = torch.zeros(tiles_r * 32, tiles_c * 64, device=DEVICE)
+    tile_rows, tile_cols = quantize.TRANSPOSE_TILE
+    padded = torch.zeros(tiles_r * tile_rows, tiles_c * tile_cols, device=DEVICE)
     padded[:rows, :cols] = x.float().abs()
-    expected_amax = padded.view(tiles_r, 32, tiles_c, 64).amax(dim=(1, 3))
+    expected_amax = padded.view(tiles_r, tile_rows, tiles_c, tile_cols).amax(dim=(1, 3))
     torch.testing.assert_close(tile_amax, expected_amax, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_quantize_to_transposed_alone(fmt):
+    """`QuantizeTo(rows=False)`: the operand's data is a view of its transposed copy, with the
+    values, scale and amax of the pass that writes both orientations."""
+    x = randn(1024, 2816)
+    to = QuantizeTo(fmt, torch.finfo(fmt).max / (x.float().abs().amax() / 4), transposed=True)
+    both, alone = quantize.quantize_to(x, to), quantize.quantize_to(x, to._replace(rows=False))
+    assert alone.data.shape == x.shape and alone.data.data_ptr() == alone.data_t.data_ptr()
+    assert torch.equal(alone.data_t.view(torch.uint8), both.data_t.view(torch.uint8))
+    assert torch.equal(alone.data.view(torch.uint8), both.data.view(torch.uint8))
+    assert torch.equal(alone.amax, both.amax) and alone.amax == x.float().abs().amax()
 
 
 @pytest.mark.parametrize("gemm", ["out_proj", "down_proj"])

@@ -101,8 +101,12 @@ def test_quantize_stage(cute, shape, scaling, use_compile):
     to = asked(E4M3, x.float(), scaling)
     out = staged(lambda x: cute.quantize(x, to), use_compile)(x)
     expected = fp8.quantize(x, to)
+    assert torch.equal(out.amax, expected.amax)
+    # A current scale is fp8_max / amax; compiled, Triton's fp32 division may round it 1 ulp
+    # away from torch's. Given the scale, the values are bit-exact.
+    torch.testing.assert_close(out.scale, expected.scale, rtol=2**-23, atol=0)
+    expected = fp8.quantize(x, to._replace(scale=out.scale))
     assert torch.equal(out.data.view(torch.uint8), expected.data.view(torch.uint8))
-    assert torch.equal(out.scale, expected.scale) and torch.equal(out.amax, expected.amax)
 
 
 @pytest.mark.parametrize("scaling", SCALINGS)

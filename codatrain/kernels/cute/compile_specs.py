@@ -116,9 +116,9 @@ def _fp8_weight(*shape: int) -> Fp8Tensor:
     return _fp8(*shape, transposed=True)
 
 
-def _delayed(dtype: torch.dtype, transposed: bool = False) -> QuantizeTo:
+def _delayed(dtype: torch.dtype, transposed: bool = False, rows: bool = True) -> QuantizeTo:
     """An FP8 output with a delayed scale (given, a 0-d device tensor), as `Fp8Step.to` asks for it."""
-    return QuantizeTo(dtype, _stat(), 0, transposed)
+    return QuantizeTo(dtype, _stat(), 0, transposed, rows)
 
 
 def _grad_dtype(s: KernelShapes) -> torch.dtype:
@@ -288,7 +288,8 @@ def _fp8_backward_kernels(s: KernelShapes) -> list[KernelSpec]:
     grad, wgrad = _grad_dtype(s), s.fp8_wgrad
 
     def dswiglu() -> object:
-        outputs = {"y_fp8": _delayed(E4M3, True), "dpreact_fp8": _delayed(grad, True)} if wgrad else {}
+        outputs = ({"y_fp8": _delayed(E4M3, True, rows=False), "dpreact_fp8": _delayed(grad, True)}
+                   if wgrad else {})
         return st.gemm_dswiglu(_fp8(m, d, dtype=grad, transposed=wgrad), _fp8_weight(d, f), _act(m, 2 * f),
                                **outputs)
 
@@ -296,7 +297,8 @@ def _fp8_backward_kernels(s: KernelShapes) -> list[KernelSpec]:
         inputs = (_fp8(m, 2 * f, dtype=grad, transposed=wgrad), _fp8_weight(2 * f, d), _act(m, d), _act(d),
                   _stat(m), _stat(m), _act(m, d))
         if wgrad:
-            return st.gemm_rms_bwd_fp8(*inputs, n_fp8=_delayed(E4M3, True), dx_fp8=_delayed(grad, True))
+            return st.gemm_rms_bwd_fp8(*inputs, n_fp8=_delayed(E4M3, True, rows=False),
+                                       dx_fp8=_delayed(grad, True))
         return st.gemm_rms_bwd(*inputs)
 
     outputs = ", outputs quantized into both orientations" if wgrad else ""
@@ -310,27 +312,28 @@ def _fp8_backward_kernels(s: KernelShapes) -> list[KernelSpec]:
 def quantize_kernels(s: KernelShapes) -> list[KernelSpec]:
     """The quantize passes `coda.py` asks `CuteStages.quantize` for (and the entry's h), as
     `quantize.quantize_to` compiles them: one kernel per (format, width) row-major, one per format
-    into both orientations (any width). Those the stage specs above compile with their outputs
-    (F1/F3's h, F2's y, the dgrads' outputs) are theirs."""
+    for the transposed copy alone and one for both orientations (any width, multiples of 16).
+    Those the stage specs above compile with their outputs (F1/F3's h, F2's y, the dgrads'
+    outputs) are theirs."""
     if not s.fp8:
         return []
     grad = _grad_dtype(s)
-    passes: list[tuple[str, torch.dtype, int | None]] = [
+    passes: list[tuple[str, torch.dtype, int | str]] = [
         # The forward reads a weight's rows (widths d for W_qkv and W_gu, q_dim for W_o, F for
-        # W_down); its dgrad in the backward also the transpose.
+        # W_down); its dgrad in the backward the transpose alone.
         ("the weights' rows (W_gu, W_qkv)", E4M3, s.dim),
         ("the weights' rows (W_down)", E4M3, s.ffn_dim),
         ("the weights for their dgrads (and, with FP8 weight gradients, the attention output o)",
-         E4M3, None),
+         E4M3, "transposed"),
         ("h of the entry", E4M3, s.dim),
-        # Rows for the out-projection; with FP8 weight gradients its wgrad quantizes o again, both
-        # orientations (above).
+        # Rows for the out-projection; with FP8 weight gradients its wgrad quantizes o again, the
+        # transposed copy alone (above).
         ("the attention output o (and W_o's rows)", E4M3, _q_dim(s)),
     ]
     if s.fp8_wgrad:
         # The weight gradients' operands that no stage spec quantizes: dx of the last layer's
         # down-projection (the LM head's gradient) and dz of the QKV GEMMs (after the RoPE backward).
-        passes += [("the LM head's dx and the QKV GEMMs' dz", grad, None)]
+        passes += [("the LM head's dx and the QKV GEMMs' dz", grad, "both")]
     else:
         passes += [
             ("dx of the down- and out-projections", grad, s.dim),
@@ -339,11 +342,12 @@ def quantize_kernels(s: KernelShapes) -> list[KernelSpec]:
         ]
     format_names = {dtype: name for name, dtype in GRAD_FORMATS.items()}
 
-    def spec(what: str, dtype: torch.dtype, width: int | None) -> KernelSpec:
+    def spec(what: str, dtype: torch.dtype, width: int | str) -> KernelSpec:
         to = f"quantize {what} to {format_names[dtype]}"
-        if width is None:
-            return KernelSpec(f"{to}, both orientations",
-                              lambda: quantize.compile_quantize_transpose(_cute(ACT), _cute(dtype), True))
+        if isinstance(width, str):
+            orientations = {"both": "both orientations", "transposed": "the transposed copy alone"}[width]
+            return KernelSpec(f"{to}, {orientations}", lambda: quantize.compile_quantize_transpose(
+                _cute(ACT), _cute(dtype), width == "both", 16))
         return KernelSpec(f"{to}, width {width}",
                           lambda: quantize.compile_quantize(_cute(ACT), _cute(dtype), width))
 

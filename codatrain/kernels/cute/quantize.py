@@ -114,80 +114,107 @@ def quantize_fp8_outputs(x: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Ten
 # ---- quantize into both orientations ---------------------------------------------------------------
 # An FP8 GEMM on sm_90 reads both operands contiguous along its contraction: a weight gradient
 # (contracting over the tokens) needs token-contiguous copies of its operands, a dgrad the
-# transposed weight. This pass writes the row-major FP8 copy and the transposed one from one read.
-_TILE_ROWS, _TILE_COLS, _VEC = 32, 64, 8
-_TRANSPOSE_THREADS = 256  # (32 rows × 8 vectors) in, (64 columns × 4 vectors) out
+# transposed weight. This pass writes the transposed FP8 copy, and the row-major one when asked,
+# from one read.
+TRANSPOSE_TILE = (64, 128)  # (rows, columns) of x per CTA
+_VEC = 8  # elements per 16-byte load of x; the row-major FP8 stores move two of them (16 bytes)
+_TRANSPOSE_THREADS = 256
 
 
 class QuantizeTransposeKernel:
-    """out = FP8(x·scale) (R, C) [optional] and out_t = its transpose (C, R), both row-major, and
-    tile_amax[i, j] = max |x| over the (32 × 64) tile (i, j); one tile per CTA.
+    """out_t = FP8(x·scale)ᵀ (C, R), out = FP8(x·scale) (R, C) [optional], both row-major, and
+    tile_amax[i, j] = max |x| over the (64 × 128) tile (i, j); one tile per CTA.
 
-    x is read once, 8-element vectors along C, and staged in shared memory (rows padded by one
-    vector); the transposed copy is gathered column by column from there and stored in 8-element
-    vectors along R, so both global stores are coalesced. R and C must be multiples of 8 (FP8 rows
-    are multiples of 16 bytes anyway)."""
+    Memory-bound, so it is built for bytes in flight and whole-sector stores: each thread first
+    issues all four of its 16-byte loads (two 16-element runs of a row), writes their FP8 row run
+    in one 16-byte store and stages them in shared memory; after one barrier each thread gathers
+    32 rows of one column (the lanes of a warp take adjacent columns: no bank conflicts) and
+    stores them as 32 contiguous bytes of out_t. R and C must be multiples of 8; unless both are
+    multiples of 16 (FP8 GEMM operands are) the stores move 8 bytes each."""
 
-    def __init__(self, dtype: type, out_dtype: type, rows_out: bool) -> None:
+    def __init__(self, dtype: type, out_dtype: type, rows_out: bool, store_elems: int) -> None:
         self.dtype, self.out_dtype, self.rows_out = dtype, out_dtype, rows_out
+        # FP8 elements per store: 16, or 8 where R or C is not a multiple of 16.
+        self.store_elems = store_elems
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mScale: cute.Tensor, mOut: cute.Tensor | None, mOutT: cute.Tensor,
                  mAmax: cute.Tensor, stream: cuda.CUstream):
-        grid_cols = (mX.shape[1] + _TILE_COLS - 1) // _TILE_COLS
-        grid_rows = (mX.shape[0] + _TILE_ROWS - 1) // _TILE_ROWS
+        tile_rows, tile_cols = TRANSPOSE_TILE
+        grid_cols = (mX.shape[1] + tile_cols - 1) // tile_cols
+        grid_rows = (mX.shape[0] + tile_rows - 1) // tile_rows
+        # Row tiles vary fastest: CTAs that run together write adjacent pieces of the same out_t
+        # rows (long runs in DRAM), at the price of shorter runs of the rows they read.
         self.kernel(mX, mScale, mOut, mOutT, mAmax).launch(
-            grid=[grid_cols, grid_rows, 1], block=[_TRANSPOSE_THREADS, 1, 1], stream=stream
+            grid=[grid_rows, grid_cols, 1], block=[_TRANSPOSE_THREADS, 1, 1], stream=stream
         )
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mScale: cute.Tensor, mOut: cute.Tensor | None, mOutT: cute.Tensor,
                mAmax: cute.Tensor):
+        tile_rows, tile_cols = const_expr(TRANSPOSE_TILE[0]), const_expr(TRANSPOSE_TILE[1])
+        run = const_expr(2 * _VEC)  # elements of a row one thread moves at once
+        runs_per_row = const_expr(tile_cols // run)
+        row_steps = const_expr(tile_rows * runs_per_row // _TRANSPOSE_THREADS)
+        col_rows = const_expr(tile_rows * tile_cols // _TRANSPOSE_THREADS)  # rows of a column per thread
         tidx, _, _ = cute.arch.thread_idx()
-        tile_col, tile_row, _ = cute.arch.block_idx()
+        tile_row, tile_col, _ = cute.arch.block_idx()
         n_rows, n_cols = mX.shape[0], mX.shape[1]
-        row0, col0 = tile_row * _TILE_ROWS, tile_col * _TILE_COLS
+        row0, col0 = tile_row * tile_rows, tile_col * tile_cols
         smem = cutlass.utils.SmemAllocator()
-        tile = smem.allocate_tensor(
-            self.dtype, cute.make_layout((_TILE_ROWS, _TILE_COLS), stride=(_TILE_COLS + _VEC, 1)),
-            byte_alignment=16,
-        )
+        tile_layout = cute.make_layout((tile_rows, tile_cols), stride=(tile_cols, 1))
+        tile = smem.allocate_tensor(self.dtype, tile_layout, byte_alignment=16)
         num_warps = const_expr(_TRANSPOSE_THREADS // cute.arch.WARP_SIZE)
         max_buffer = smem.allocate_tensor(Float32, cute.make_layout((1, (num_warps, 1))), byte_alignment=8)
         scale = mScale[0]
         in_atom = get_copy_atom(self.dtype, _VEC)
-        out_atom = get_copy_atom(self.out_dtype, _VEC)
+        store = const_expr(self.store_elems)
+        out_atom = get_copy_atom(self.out_dtype, store)
 
-        # Phase 1: thread t reads row t // 8, vector t % 8 of the tile.
-        r, v = tidx // (_TILE_COLS // _VEC), tidx % (_TILE_COLS // _VEC)
-        row, col = row0 + r, col0 + v * _VEC
+        # Phase 1: thread t owns run t % 8 of rows t // 8 + 32 s (s < row_steps). All loads first.
+        r_first, run_idx = tidx // runs_per_row, tidx % runs_per_row
+        col = col0 + run_idx * run
+        loaded = [cute.make_rmem_tensor((run,), self.dtype) for _ in range(row_steps)]
+        for s in cutlass.range_constexpr(row_steps):
+            loaded[s].fill(0)
+            row = row0 + r_first + s * (_TRANSPOSE_THREADS // runs_per_row)
+            for half in cutlass.range_constexpr(2):
+                if row < n_rows and col + half * _VEC < n_cols:
+                    cute.copy(in_atom, cute.local_tile(mX[row, None], (_VEC,), (col // _VEC + half,)),
+                              cute.local_tile(loaded[s], (_VEC,), (half,)))
         local_max = Float32(0.0)
-        if row < n_rows and col < n_cols:
-            gX = cute.local_tile(mX[row, None], (_VEC,), (col // _VEC,))
-            tXr = cute.make_rmem_tensor_like(gX)
-            cute.copy(in_atom, gX, tXr)
-            cute.copy(in_atom, tXr, cute.local_tile(tile[r, None], (_VEC,), (v,)))
-            x = tXr.load().to(Float32)
-            local_max = cute.arch.fmax(x.reduce(cute.ReductionOp.MAX, -Float32.inf, 0),
-                                       -x.reduce(cute.ReductionOp.MIN, Float32.inf, 0))
+        for s in cutlass.range_constexpr(row_steps):
+            r = r_first + s * (_TRANSPOSE_THREADS // runs_per_row)
+            row = row0 + r
+            x = loaded[s].load().to(Float32)
+            high = x.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+            low = x.reduce(cute.ReductionOp.MIN, Float32.inf, 0)
+            local_max = cute.arch.fmax(local_max, cute.arch.fmax(high, -low))
+            for half in cutlass.range_constexpr(2):
+                cute.copy(in_atom, cute.local_tile(loaded[s], (_VEC,), (half,)),
+                          cute.local_tile(tile[r, None], (_VEC,), (run_idx * 2 + half,)))
             if const_expr(self.rows_out):
-                gOut = cute.local_tile(mOut[row, None], (_VEC,), (col // _VEC,))
-                tOr = cute.make_rmem_tensor_like(gOut)
+                tOr = cute.make_rmem_tensor((run,), self.out_dtype)
                 tOr.store((x * scale).to(self.out_dtype))
-                cute.copy(out_atom, tOr, gOut)
+                for k in cutlass.range_constexpr(run // store):
+                    if row < n_rows and col + k * store < n_cols:
+                        cute.copy(out_atom, cute.local_tile(tOr, (store,), (k,)),
+                                  cute.local_tile(mOut[row, None], (store,), (col // store + k,)))
         cute.arch.barrier()
 
-        # Phase 2: thread t writes row t // 4 of the transposed tile (column t // 4 of x), vector t % 4.
-        c, w = tidx // (_TILE_ROWS // _VEC), tidx % (_TILE_ROWS // _VEC)
-        out_row, out_col = col0 + c, row0 + w * _VEC
-        if out_row < n_cols and out_col < n_rows:
-            gOutT = cute.local_tile(mOutT[out_row, None], (_VEC,), (out_col // _VEC,))
-            tTr = cute.make_rmem_tensor_like(cute.local_tile(tile[0, None], (_VEC,), (0,)))
-            for i in cutlass.range_constexpr(_VEC):
-                tTr[i] = tile[w * _VEC + i, c]
-            tTo = cute.make_rmem_tensor_like(gOutT)
+        # Phase 2: thread t writes rows [32 (t // 128), +32) of column t % 128 as one run of out_t.
+        c, seg = tidx % tile_cols, tidx // tile_cols
+        out_row, out_col = col0 + c, row0 + seg * col_rows
+        if out_row < n_cols:
+            tTr = cute.make_rmem_tensor((col_rows,), self.dtype)
+            for i in cutlass.range_constexpr(col_rows):
+                tTr[i] = tile[seg * col_rows + i, c]
+            tTo = cute.make_rmem_tensor((col_rows,), self.out_dtype)
             tTo.store((tTr.load().to(Float32) * scale).to(self.out_dtype))
-            cute.copy(out_atom, tTo, gOutT)
+            for j in cutlass.range_constexpr(col_rows // store):
+                if out_col + j * store < n_rows:
+                    cute.copy(out_atom, cute.local_tile(tTo, (store,), (j,)),
+                              cute.local_tile(mOutT[out_row, None], (store,), (out_col // store + j,)))
 
         tile_max = row_reduce(local_max, cute.ReductionOp.MAX, _TRANSPOSE_THREADS, max_buffer, init_val=0.0)
         if tidx == 0:
@@ -195,14 +222,14 @@ class QuantizeTransposeKernel:
 
 
 @jit_cache
-def compile_quantize_transpose(dtype: type, out_dtype: type, rows_out: bool):
+def compile_quantize_transpose(dtype: type, out_dtype: type, rows_out: bool, store_elems: int):
     rows, cols = cute.sym_int(), cute.sym_int()
     return cute.compile(
-        QuantizeTransposeKernel(dtype, out_dtype, rows_out),
+        QuantizeTransposeKernel(dtype, out_dtype, rows_out, store_elems),
         make_fake_tensor(dtype, (rows, cols), divisibility=_VEC),
         make_fake_tensor(Float32, (1,)),
-        make_fake_tensor(out_dtype, (rows, cols), divisibility=_VEC) if rows_out else None,
-        make_fake_tensor(out_dtype, (cols, rows), divisibility=_VEC),
+        make_fake_tensor(out_dtype, (rows, cols), divisibility=store_elems) if rows_out else None,
+        make_fake_tensor(out_dtype, (cols, rows), divisibility=store_elems),
         make_fake_tensor(Float32, (cute.sym_int(), cute.sym_int())),
         make_fake_stream(),
         options="--enable-tvm-ffi",
@@ -211,7 +238,7 @@ def compile_quantize_transpose(dtype: type, out_dtype: type, rows_out: bool):
 
 def transpose_tiles(rows: int, cols: int) -> tuple[int, int]:
     """The (row, column) tile grid of `quantize_transpose_fp8` over an (rows, cols) input."""
-    return -(-rows // _TILE_ROWS), -(-cols // _TILE_COLS)
+    return -(-rows // TRANSPOSE_TILE[0]), -(-cols // TRANSPOSE_TILE[1])
 
 
 @cute_op("codatrain::cute_quantize_transpose_fp8", mutates_args=("out", "out_t", "tile_amax"),
@@ -222,8 +249,10 @@ def quantize_transpose_fp8(
     """out (R, C) FP8 = x·scale saturated (when given), out_t (C, R) its transpose, tile_amax
     (`transpose_tiles`) fp32 = max |x| per tile; x (R, C) contiguous 16-bit, R and C multiples
     of 8, scale a 1-element fp32 tensor."""
+    # FP8 GEMM operands are multiples of 16 both ways (16-byte stores); other sizes store 8 bytes.
+    store_elems = 16 if x.shape[0] % 16 == 0 and x.shape[1] % 16 == 0 else 8
     compiled = compile_quantize_transpose(torch2cute_dtype_map[x.dtype], torch2cute_dtype_map[out_t.dtype],
-                                          out is not None)
+                                          out is not None, store_elems)
     compiled(x, scale.reshape(1), out, out_t, tile_amax)
 
 
@@ -233,19 +262,23 @@ def quantize_to(x: Tensor, to: QuantizeTo, dtype: torch.dtype | None = None) -> 
 
     A delayed scale is known before the pass, so the pass also yields the amax (its row or tile
     maxima); current scaling (`to.scale` None: weights, and a run's first step) reads x once more
-    first. With `to.transposed`, one pass writes both orientations (`quantize_transpose_fp8`)."""
+    first. With `to.transposed`, one pass writes both orientations (`quantize_transpose_fp8`), or
+    the transposed one alone (`to.rows` False)."""
     rows = x.reshape(-1, x.shape[-1])
     current = to.scale is None
     # max |x| in one reduction (no |x| temporary); exact in x's dtype, NaN when one is.
     amax = torch.linalg.vector_norm(rows, float("inf")).float() if current else None
     scale = scale_from_amax(amax, fp8_max(to.dtype), to.margin) if current else to.scale
-    out = torch.empty(rows.shape, dtype=to.dtype, device=x.device)
     if to.transposed:
         out_t = torch.empty(rows.shape[1], rows.shape[0], dtype=to.dtype, device=x.device)
+        out = torch.empty(rows.shape, dtype=to.dtype, device=x.device) if to.rows else None
         tile_amax = torch.empty(transpose_tiles(*rows.shape), dtype=torch.float32, device=x.device)
         quantize_transpose_fp8(rows, scale, out, out_t, tile_amax)
         partial_amax = tile_amax
+        if out is None:
+            out = out_t.t()  # the operand's values in its own shape, read only through data_t
     else:
+        out = torch.empty(rows.shape, dtype=to.dtype, device=x.device)
         out_t, partial_amax = None, torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
         quantize_fp8(rows, scale, out, partial_amax)
     return Fp8Tensor(out.view(x.shape), scale, dtype or x.dtype, amax if current else partial_amax.amax(),
