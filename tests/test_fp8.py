@@ -9,11 +9,13 @@ from model_states import random_canonical_state
 from test_coda import CONFIGS, batch, canonical_grads, load_canonical
 
 from codatrain.kernels import fp8
+from codatrain.kernels.attention import sdpa_attention
 from codatrain.kernels.fp8 import (
     E4M3,
     E5M2,
     Fp8Recipe,
     Fp8Scaling,
+    Fp8Tensor,
     Operand,
     QuantizeTo,
     delayed_scales,
@@ -21,6 +23,8 @@ from codatrain.kernels.fp8 import (
     roll_history,
     scale_from_amax,
 )
+from codatrain.kernels.reference import ReferenceStages
+from codatrain.kernels.resolve import ResolvedBlock
 from codatrain.kernels.stages import get_backend
 from codatrain.model.coda import CodaLlama
 
@@ -247,3 +251,38 @@ def test_fp8_refuses_the_qkv_epilogues_it_does_not_cover(key):
     cfg = CONFIGS["qwen2-bias-L3" if key == "qkv_bias" else "qwen3-qknorm-L3"]
     with pytest.raises(ValueError, match=f"^block.precision=fp8 does not cover model.{key}=true yet"):
         CodaLlama(cfg, fp8=Fp8Recipe())
+
+
+class RecordingStages(ReferenceStages):
+    """The reference stages, recording the shape and the request of every `quantize` call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[tuple[int, ...], QuantizeTo]] = []
+
+    def quantize(self, x: torch.Tensor, to: QuantizeTo) -> Fp8Tensor:
+        self.calls.append((tuple(x.shape), to))
+        return super().quantize(x, to)
+
+
+def test_the_backward_quantizes_each_weight_transposed_alone_with_the_forwards_scale():
+    """A weight's amax is taken once per forward (current scaling): its dgrad copy in the backward
+    reuses the forward's scale (the weight has not changed) and writes Wᵀ alone."""
+    cfg = CONFIGS["gqa2-L3"]
+    stages = RecordingStages()
+    block = ResolvedBlock("coda", "reference", "sdpa", stages, sdpa_attention)
+    model = CodaLlama(cfg, block, fp8=Fp8Recipe())
+    weights = {name: p for name, p in model.named_parameters()
+               if name.split(".")[-1].startswith("w_") and "lm_head" not in name}
+    weight_shapes = {tuple(p.shape) for p in weights.values()}
+    tokens, targets = batch(cfg, 2, 16, ignore=False)
+    loss = model(tokens, targets)
+    forward = [to for shape, to in stages.calls if shape in weight_shapes]
+    stages.calls.clear()
+    loss.backward()
+    backward = [to for shape, to in stages.calls if shape in weight_shapes]
+    assert len(forward) == len(backward) == 4 * cfg.n_layers
+    assert all(to.scale is None and to.rows and not to.transposed for to in forward)
+    assert all(to.scale is not None and to.transposed and not to.rows for to in backward)
+    current = [fp8.scale_from_amax(fp8.amax(p), fp8.fp8_max(E4M3), 0).item() for p in weights.values()]
+    assert sorted(to.scale.item() for to in backward) == sorted(current)

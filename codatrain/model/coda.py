@@ -114,13 +114,24 @@ def _record(f: Fp8Step | None, layer: int, operand: Operand, quantized: Fp8Tenso
         f.record(layer, operand, quantized)
 
 
-def _weights(s: StageBackend, f: Fp8Step | None, *weights: torch.Tensor,
-             for_dgrad: bool) -> list[torch.Tensor | Fp8Tensor]:
+def _weights(s: StageBackend, f: Fp8Step | None, *weights: torch.Tensor, for_dgrad: bool,
+             scales: tuple[torch.Tensor, ...] | None = None) -> list[torch.Tensor | Fp8Tensor]:
     """The GEMM operands of `weights` in the forward or (`for_dgrad`) the backward: FP8 copies from
-    their current amax, or the weights."""
+    their current amax, or the weights. The backward passes the forward's `scales` (`_scales`):
+    the weights have not changed since, so their amax has not either, and a pass over them is
+    saved."""
     if f is None:
         return list(weights)
-    return [s.quantize(w, f.recipe.weight(for_dgrad=for_dgrad)) for w in weights]
+    tos = [f.recipe.weight(for_dgrad=for_dgrad)] * len(weights)
+    if scales is not None:
+        tos = [to._replace(scale=scale) for to, scale in zip(tos, scales, strict=True)]
+    return [s.quantize(w, to) for w, to in zip(weights, tos, strict=True)]
+
+
+def _scales(quantized: list[torch.Tensor | Fp8Tensor]) -> tuple[torch.Tensor | None, ...]:
+    """The FP8 scales (0-d) of the forward's weight operands, for the backward's `_weights`; Nones
+    without FP8."""
+    return tuple(w.scale if isinstance(w, Fp8Tensor) else None for w in quantized)
 
 
 def _wgrad_fp8(f: Fp8Step | None) -> bool:
@@ -151,7 +162,8 @@ def _mlp_forward(
     """F1 R1 F2 F3 R2 of `layer`. Returns (tensors the backward needs, x_out, h_out = x_out ⊙ γ_out,
     rstd_out); with FP8, h_out is the next layer's QKV operand when `h_out_fp8`, else (the LM head's
     input) in the activation dtype."""
-    wq_o, wq_gu, wq_down = _weights(s, f, w_o, w_gu, w_down, for_dgrad=False)
+    wq = _weights(s, f, w_o, w_gu, w_down, for_dgrad=False)
+    wq_o, wq_gu, wq_down = wq
     # The out-projection reads o's rows; its weight gradient gets a token-contiguous copy later.
     oq = _quantize(s, f, layer, Operand.out_in, o, transposed=False)
     x1, h1, sq1 = s.gemm_residual_rms(oq, wq_o, x_in, gamma_mlp,
@@ -162,7 +174,7 @@ def _mlp_forward(
     x2, h2, sq2 = s.gemm_residual_rms(y, wq_down, x1, gamma_out, **h_out)
     r2 = s.rstd_from_partials(sq2, dim=c.dim, eps=c.eps)
     if f is None:
-        return (o, None, None, x1, r1, preact, w_o, gamma_mlp, w_gu, w_down), x2, h2, r2
+        return (o, None, None, None, None, None, x1, r1, preact, w_o, gamma_mlp, w_gu, w_down), x2, h2, r2
     f.record(layer, Operand.gate_up_in, h1)
     f.record(layer, Operand.down_in, y)
     if h_out_fp8:
@@ -171,7 +183,7 @@ def _mlp_forward(
     # own. With FP8 weight gradients the backward quantizes it token-contiguous with the forward's
     # scale (the same FP8 values), rather than an FP8 copy living through the step. The backward
     # recomputes y with the forward's scale too.
-    return (o, oq.scale, y.scale, x1, r1, preact, w_o, gamma_mlp, w_gu, w_down), x2, h2, r2
+    return (o, oq.scale, y.scale, *_scales(wq), x1, r1, preact, w_o, gamma_mlp, w_gu, w_down), x2, h2, r2
 
 
 def _mlp_backward(
@@ -183,20 +195,25 @@ def _mlp_backward(
 
     Returns (do, dx_in, dW_o, dγ_mlp, dW_gu, dW_down).
     """
-    o, o_scale, y_scale, x1, r1, preact, w_o, gamma_mlp, w_gu, w_down = saved
-    wq_o, wq_gu, wq_down = _weights(s, f, w_o, w_gu, w_down, for_dgrad=True)
+    (o, o_scale, y_scale, w_o_scale, w_gu_scale, w_down_scale, x1, r1, preact, w_o, gamma_mlp, w_gu,
+     w_down) = saved
+
+    def dgrad_operand(weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor | Fp8Tensor:
+        # Each FP8 copy made where it is read, so that at most one lives at a time: the backward of
+        # the last layer runs beside the LM head's buffers, at the step's peak memory.
+        return _weights(s, f, weight, for_dgrad=True, scales=(scale,))[0]
+
     wgrad_fp8 = _wgrad_fp8(f)
     fp8_args = {}
     if wgrad_fp8:
-        # o and y are read by their weight gradients only here: token-contiguous copies alone.
-        o = s.quantize(o, QuantizeTo(f.recipe.format_of(Operand.out_in), o_scale, transposed=True,
-                                     rows=False))
+        # y is read by its weight gradient only: the token-contiguous copy alone.
         fp8_args = {"y_fp8": QuantizeTo(f.recipe.format_of(Operand.down_in), y_scale, transposed=True,
                                         rows=False),
                     **_fp8_arg(f, layer, Operand.gate_up_grad, "dpreact_fp8")}
-    dpreact, y, zdz = s.gemm_dswiglu(dx2_operand, wq_down, preact, **fp8_args)
+    dpreact, y, zdz = s.gemm_dswiglu(dx2_operand, dgrad_operand(w_down, w_down_scale), preact, **fp8_args)
     dw_down = s.wgrad(dx2_operand if wgrad_fp8 else dx2, y)
     # x1 feeds both the MLP norm and the residual path to x2, whose gradient the epilogue adds.
+    wq_gu = dgrad_operand(w_gu, w_gu_scale)
     if f is None:
         dx1, n1, dgamma = s.gemm_rms_bwd(dpreact, wq_gu, x1, gamma_mlp, r1, zdz, dx2)
         dx1_operand = dx1
@@ -212,14 +229,19 @@ def _mlp_backward(
         dpreact_operand = _quantize(s, f, layer, Operand.gate_up_grad, dpreact)
         dx1, n1, dgamma = s.gemm_rms_bwd(dpreact_operand, wq_gu, x1, gamma_mlp, r1, zdz, dx2)
         dx1_operand = _quantize(s, f, layer, Operand.out_grad, dx1)
+    del wq_gu
     dw_gu = s.wgrad(dpreact, n1)
-    do = s.dgrad(dx1_operand, wq_o)
+    do = s.dgrad(dx1_operand, dgrad_operand(w_o, w_o_scale))
+    if wgrad_fp8:
+        # o is read by its weight gradient only: the token-contiguous copy alone.
+        o = s.quantize(o, QuantizeTo(f.recipe.format_of(Operand.out_in), o_scale, transposed=True,
+                                     rows=False))
     dw_o = s.wgrad(dx1_operand if wgrad_fp8 else dx1, o)
     # x1 = x_in + o·W_oᵀ: x_in's gradient is dx1 itself.
     return do, dx1, dw_o, _dgamma(dgamma, gamma_mlp), dw_gu, dw_down
 
 
-_MLP_SAVED = 10  # number of tensors `_mlp_forward` hands to the backward
+_MLP_SAVED = 13  # number of tensors `_mlp_forward` hands to the backward
 
 
 # ---- F4, the QKV GEMM with its epilogue, shared by the entry and the middle layers -------------
@@ -263,15 +285,16 @@ def _qkv_backward(
 
 def _qkv_gemm_backward(
     s: StageBackend, f: Fp8Step | None, layer: int, dz: torch.Tensor | Fp8Tensor, w_qkv: torch.Tensor,
-    x: torch.Tensor, gamma: torch.Tensor, rstd: torch.Tensor, zdz: torch.Tensor,
+    w_scale: torch.Tensor | None, x: torch.Tensor, gamma: torch.Tensor, rstd: torch.Tensor, zdz: torch.Tensor,
     dx_residual: torch.Tensor | None, dx_fp8: QuantizeTo | None,
 ) -> tuple[torch.Tensor, torch.Tensor | Fp8Tensor, torch.Tensor, torch.Tensor]:
-    """The QKV dgrad with the attention norm's backward, and the QKV wgrad, of `layer`. Returns (dx,
-    dx as the down-projection's GEMM operand (FP8 when `dx_fp8`), dγ partials, dW_qkv)."""
+    """The QKV dgrad with the attention norm's backward, and the QKV wgrad, of `layer` (`w_scale`:
+    the forward's `_scales` of W_qkv). Returns (dx, dx as the down-projection's GEMM operand (FP8
+    when `dx_fp8`), dγ partials, dW_qkv)."""
     if f is None:
         dx, n, dgamma = s.gemm_rms_bwd(dz, w_qkv, x, gamma, rstd, zdz, dx_residual)
         return dx, dx, dgamma, s.wgrad(dz, n)
-    (wq,) = _weights(s, f, w_qkv, for_dgrad=True)
+    (wq,) = _weights(s, f, w_qkv, for_dgrad=True, scales=(w_scale,))
     if not f.recipe.wgrad_fp8:
         # dz arrives in the activation dtype: the dgrad takes its FP8 copy, the weight gradient dz.
         dx, n, dgamma = s.gemm_rms_bwd(_quantize(s, f, layer, Operand.qkv_grad, dz), wq, x, gamma, rstd, zdz,
@@ -302,18 +325,20 @@ class _EntryFn(torch.autograd.Function):
     def forward(ctx, tokens, positions, embedding, gamma, w_qkv, b_qkv, q_norm, k_norm, s, c, f):
         x, h, rstd = s.entry(tokens, embedding, gamma, eps=c.eps, **_fp8_arg(f, 0, Operand.qkv_in, "h_fp8"))
         _record(f, 0, Operand.qkv_in, h)
-        (wq_qkv,) = _weights(s, f, w_qkv, for_dgrad=False)
-        qkv, z = _qkv_forward(s, c, h, wq_qkv, rstd, positions, b_qkv, q_norm, k_norm)
-        ctx.save_for_backward(tokens, positions, x, rstd, qkv, z, gamma, w_qkv, b_qkv, q_norm, k_norm)
+        wq_qkv = _weights(s, f, w_qkv, for_dgrad=False)
+        qkv, z = _qkv_forward(s, c, h, wq_qkv[0], rstd, positions, b_qkv, q_norm, k_norm)
+        ctx.save_for_backward(tokens, positions, x, rstd, qkv, z, gamma, w_qkv, *_scales(wq_qkv), b_qkv,
+                              q_norm, k_norm)
         ctx.s, ctx.c, ctx.f, ctx.vocab_size = s, c, f, embedding.shape[0]
         return x, qkv
 
     @staticmethod
     def backward(ctx, dx_residual, dqkv):
-        tokens, positions, x, rstd, qkv, z, gamma, w_qkv, b_qkv, q_norm, k_norm = ctx.saved_tensors
+        tokens, positions, x, rstd, qkv, z, gamma, w_qkv, w_scale, b_qkv, q_norm, k_norm = ctx.saved_tensors
         s, c, f = ctx.s, ctx.c, ctx.f
         dz, zdz, *dqkv_params = _qkv_backward(s, c, dqkv, qkv, z, positions, b_qkv, q_norm, k_norm, f, 0)
-        dx, _, dgamma, dw_qkv = _qkv_gemm_backward(s, f, 0, dz, w_qkv, x, gamma, rstd, zdz, dx_residual, None)
+        dx, _, dgamma, dw_qkv = _qkv_gemm_backward(s, f, 0, dz, w_qkv, w_scale, x, gamma, rstd, zdz,
+                                                   dx_residual, None)
         dembedding = s.entry_bwd(dx, tokens, num_embeddings=ctx.vocab_size)
         return None, None, dembedding, _dgamma(dgamma, gamma), dw_qkv, *dqkv_params, None, None, None
 
@@ -326,22 +351,22 @@ class _LayerFn(torch.autograd.Function):
                 k_norm_next, positions, s, c, f, layer):
         mlp_saved, x2, h2, r2 = _mlp_forward(s, c, o, x_in, w_o, gamma_mlp, w_gu, w_down, gamma_next, f,
                                              layer, h_out_fp8=True)
-        (wq_qkv,) = _weights(s, f, w_qkv_next, for_dgrad=False)
-        qkv, z = _qkv_forward(s, c, h2, wq_qkv, r2, positions, b_qkv_next, q_norm_next, k_norm_next)
-        ctx.save_for_backward(*mlp_saved, x2, r2, qkv, z, positions, gamma_next, w_qkv_next, b_qkv_next,
-                              q_norm_next, k_norm_next)
+        wq_qkv = _weights(s, f, w_qkv_next, for_dgrad=False)
+        qkv, z = _qkv_forward(s, c, h2, wq_qkv[0], r2, positions, b_qkv_next, q_norm_next, k_norm_next)
+        ctx.save_for_backward(*mlp_saved, x2, r2, qkv, z, positions, gamma_next, w_qkv_next, *_scales(wq_qkv),
+                              b_qkv_next, q_norm_next, k_norm_next)
         ctx.s, ctx.c, ctx.f, ctx.layer = s, c, f, layer
         return x2, qkv
 
     @staticmethod
     def backward(ctx, dx_residual, dqkv):
         mlp_saved, saved = _unpack(ctx)
-        x2, r2, qkv, z, positions, gamma_next, w_qkv_next, *qkv_params = saved
+        x2, r2, qkv, z, positions, gamma_next, w_qkv_next, w_scale, *qkv_params = saved
         s, c, f, layer = ctx.s, ctx.c, ctx.f, ctx.layer
         dz, zdz, *dqkv_params = _qkv_backward(s, c, dqkv, qkv, z, positions, *qkv_params, f, layer + 1)
         dx2_fp8 = None if f is None else f.to(layer, Operand.down_grad)
         dx2, dx2_operand, dgamma_next, dw_qkv_next = _qkv_gemm_backward(
-            s, f, layer + 1, dz, w_qkv_next, x2, gamma_next, r2, zdz, dx_residual, dx2_fp8)
+            s, f, layer + 1, dz, w_qkv_next, w_scale, x2, gamma_next, r2, zdz, dx_residual, dx2_fp8)
         if f is not None:
             _record(f, layer, Operand.down_grad, dx2_operand)
         mlp_grads = _mlp_backward(s, mlp_saved, dx2, dx2_operand, f, layer)

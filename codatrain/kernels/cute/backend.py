@@ -348,12 +348,13 @@ class CuteStages(StageBackend):
         else:
             _check_activations("gemm_dswiglu", dout, weight, preact)
             gemm_bwd_stages.gemm_dswiglu(dout, weight, preact, *out)
-        # Quantized one at a time, each 16-bit tensor dropped once its FP8 copy exists: at 8B widths
-        # dpreact alone is 0.9 GiB in bf16 (as much again in FP8, two orientations).
+        # Quantized one at a time, each 16-bit tensor dropped once its FP8 copy exists, the smaller
+        # FP8 copy first: at 8B widths dpreact is 0.9 GiB in bf16 (as much again in FP8, two
+        # orientations), y half that (its transposed FP8 copy a quarter).
         dpreact, y, zdz = out
         del out
-        dpreact = _maybe_quantize(dpreact, dpreact_fp8)
-        return DSwigluOut(dpreact, _maybe_quantize(y, y_fp8), zdz)
+        y = _maybe_quantize(y, y_fp8)
+        return DSwigluOut(_maybe_quantize(dpreact, dpreact_fp8), y, zdz)
 
     def dgrad(self, dz: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if isinstance(dz, Fp8Tensor):
