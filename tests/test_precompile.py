@@ -151,6 +151,25 @@ def test_shapes_of_a_run_config():
     assert not shapes_of(["block=coda"], torch.device("cpu")).any
 
 
+@pytest.mark.skipif(
+    not all(importlib.util.find_spec(name) for name in CUDA_EXTRAS),
+    reason="needs the cuda extras (nvidia-cutlass-dsl, quack-kernels, flash-attn-4) and triton",
+)
+def test_a_qk_norm_model_lists_the_qk_norm_kernels_in_whole_head_tiles():
+    """Qwen3's QK-norm swaps F4 and the RoPE backward for their QK-norm variants in the precompile
+    specs, and F4's QK-norm tiles hold whole heads of every head dim resolve lets through."""
+    from codatrain.kernels.cute.compile_specs import kernel_specs
+    from codatrain.kernels.cute.configs import gemm_config
+    from codatrain.kernels.resolve import QKNORM_HEAD_DIMS
+
+    names = [spec.name for spec in kernel_specs(shapes_of([*CODA_KERNELS, *QK_NORM]))]
+    assert "F4 QKV · rstd + QK-norm + RoPE" in names and "QK-norm + RoPE backward + ZdZ" in names
+    assert "F4 QKV · rstd + RoPE" not in names and "RoPE backward + ZdZ" not in names
+    plain = [spec.name for spec in kernel_specs(tiny_shapes())]
+    assert "F4 QKV · rstd + RoPE" in plain and "QK-norm + RoPE backward + ZdZ" not in plain
+    assert all(gemm_config("rstd_qknorm_rope").tile_n % head_dim == 0 for head_dim in QKNORM_HEAD_DIMS)
+
+
 def test_the_fp8_recipe_is_part_of_the_kernel_shapes(tmp_path):
     """block.precision=fp8 on the cute stages launches the FP8 forms of the layer GEMM stages and
     quantize passes, and the gradients' format and block.fp8_wgrad change which: each is a cache
