@@ -27,6 +27,11 @@ Llama block complete the table. Times are medians of many runs, all measured in 
     python scripts/bench_block.py --model llama3_1b --tokens 32768 --sections head --compile \
         --head-chunks 2048 4096 8192                                # the training LM head alone
     python scripts/bench_block.py --tokens 16384 --sections fp8 quantize  # FP8 stages, quantize passes
+    python scripts/bench_block.py --model qwen3_8b --tokens 16384 --sections qknorm  # Qwen3's QK-norm
+
+Section `qknorm` times F4 with Qwen3's QK-norm (`gemm_rstd_qknorm_rope`) against F4 without it and
+the QKV GEMM alone (the issue's target: ≤ 1.05 × the plain QKV stage), and its backward against the
+RoPE backward; both against the reference stages (eager PyTorch).
 """
 
 from __future__ import annotations
@@ -168,6 +173,29 @@ def stage_rows(s: StageBackend, ref: StageBackend, x: Inputs) -> list[Row]:
         stage, eager = both(method, *args, **kwargs)
         rows.append((name, stage, floor, eager))
     return rows
+
+
+def qknorm_fns(s: StageBackend, ref: StageBackend, x: Inputs) -> dict[str, dict[str, Callable]]:
+    """The QK-norm stages and what they compare with, forward and backward, at `x`'s widths."""
+    c, device = x.cfg, x.h.device
+    weights = {key: (torch.rand(c.head_dim, device=device) + 0.5).to(x.h.dtype)
+               for key in ("q_weight", "k_weight")}
+    norm = {"q_heads": c.n_heads, "eps": EPS, **weights}
+    z = torch.randn(x.m, (c.n_heads + c.n_kv_heads) * c.head_dim, device=device).to(x.h.dtype)
+    fwd_args, bwd_args = (x.h, x.w_qkv, x.rstd, x.positions), (x.dqkv, x.qkv, z, x.positions)
+    return {
+        "forward": {
+            "QKV GEMM (cuBLAS)": lambda: torch.mm(x.h, x.w_qkv.t()),
+            "F4 ·r +RoPE": lambda: s.gemm_rstd_rope(*fwd_args, **x.rope),
+            "F4 ·r +QK-norm +RoPE": lambda: s.gemm_rstd_qknorm_rope(*fwd_args, **x.rope, **norm),
+            "reference F4 +QK-norm": lambda: ref.gemm_rstd_qknorm_rope(*fwd_args, **x.rope, **norm),
+        },
+        "backward": {
+            "RoPE bwd + ZdZ": lambda: s.rope_bwd(x.dqkv, x.qkv, x.positions, **x.rope),
+            "QK-norm + RoPE bwd + ZdZ": lambda: s.qknorm_rope_bwd(*bwd_args, **x.rope, **norm),
+            "reference QK-norm + RoPE bwd": lambda: ref.qknorm_rope_bwd(*bwd_args, **x.rope, **norm),
+        },
+    }
 
 
 def layer_rows(
@@ -699,11 +727,13 @@ def main() -> None:
                    help="split these cute stages' cost over cuBLAS into QuACK's plain GEMM, its GEMM + C "
                         "and the epilogue, at each stage's own config (none: the layer stages)")
     p.add_argument("--sections", nargs="*", default=["stages", "layer", "fwd_bwd"],
-                   choices=["stages", "layer", "fwd_bwd", "head", "fp8", "quantize"],
+                   choices=["stages", "layer", "fwd_bwd", "head", "fp8", "quantize", "qknorm"],
                    help="stages: every stage alone; layer: attention and the layer forward; "
                         "fwd_bwd: the layer forward + backward against eager, compile and the floor; "
                         "head: the training LM head forward + backward against its peers and floor; "
                         "fp8: the FP8 GEMM stages against cuBLAS's FP8 GEMM and the bf16 stages; "
+                        "quantize: the FP8 quantize passes against a bf16 copy of their input; "
+                        "qknorm: F4 with Qwen3's QK-norm and its backward against F4 and RoPE's; "
                         "none: only --sweep / --ablate")
     p.add_argument("--head-chunks", type=int, nargs="+",
                    help="head section: chunk rows to time (default: the backend's head_chunk_rows)")
@@ -808,6 +838,16 @@ def main() -> None:
             results["quantize"][name] = times
             print(f"{name:40s} stage {times['stage']:.3f} ms  bf16 copy {times['bf16 copy']:.3f} ms "
                   f"({times['stage'] / times['bf16 copy']:.3f}x)", flush=True)
+    if "qknorm" in args.sections:
+        results["qknorm"] = {}
+        print(f"\nQwen3's QK-norm ({args.model}, M={args.tokens}; ratios to the first of each group)")
+        for group, fns in qknorm_fns(s, ref, x).items():
+            times = dict(zip(fns, median_ms(list(fns.values()), device, warmup=args.warmup, iters=args.iters),
+                             strict=True))
+            results["qknorm"][group] = times
+            base = next(iter(times.values()))
+            for name, ms in times.items():
+                print(f"{group:9s} {name:32s} {ms:9.3f} ms {ms / base:7.3f}x", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

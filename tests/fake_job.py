@@ -29,11 +29,17 @@ from codatrain.model.coda import CodaLlama
 from codatrain.model.config import LlamaConfig
 
 
+def _family(shapes: KernelShapes) -> str:
+    """A model family with the attention epilogues of `shapes`."""
+    return "qwen3" if shapes.qk_norm else "qwen2" if shapes.qkv_bias else "llama"
+
+
 def main(shapes: KernelShapes) -> dict:
     started = time.time()
     cfg = LlamaConfig(dim=shapes.dim, n_layers=2, n_heads=shapes.n_heads, n_kv_heads=shapes.n_kv_heads,
                       ffn_dim=shapes.ffn_dim, vocab_size=shapes.vocab_size,
-                      family="qwen2" if shapes.qkv_bias else "llama", qkv_bias=shapes.qkv_bias)
+                      head_dim=shapes.head_dim, family=_family(shapes), qkv_bias=shapes.qkv_bias,
+                      qk_norm=shapes.qk_norm)
     # The head's check of its loss is a host sync, which fake tensors cannot answer: the job's
     # usual answer (the rerun's kernels are compiled by the same spec). Its SM count only sizes
     # an output; its scaled-exp glue is Triton's, which a CPU cannot even trace.

@@ -116,18 +116,19 @@ def test_mistral_sliding_window_is_refused_by_name(window):
         config_from_hf(hf_cfg)
 
 
-def test_cute_stages_refuse_a_qk_norm_at_construction_and_take_a_qkv_bias():
-    """block.backend=cute names the epilogue it lacks (Qwen3's QK-norm) when the model is built (on
-    the meta device, as the trainer builds it); the reference stages compute it. A QKV bias (Qwen2)
-    is an epilogue of the cute QKV GEMM."""
+def test_cute_stages_take_a_qk_norm_and_a_qkv_bias_and_refuse_a_qk_norm_head_dim_by_name():
+    """block.backend=cute runs Qwen3's QK-norm and Qwen2's QKV bias as epilogues of its QKV GEMM;
+    a QK-norm over heads its epilogue cannot tile is named when the model is built (on the meta
+    device, as the trainer builds it)."""
     cute = ResolvedBlock("coda", "cute", "sdpa", get_backend("reference"), sdpa_attention)
     qwen3 = get_preset("qwen3_0_6b").replace(n_layers=1)
-    refusal = r"^model.qk_norm=true does not run on block.backend=cute: .*use block.backend=reference"
-    with torch.device("meta"), pytest.raises(ValueError, match=refusal):
-        CodaLlama(qwen3, cute)
+    refusal = (r"^model.head_dim=96 does not run with model.qk_norm=true on block.backend=cute, whose "
+               r"QK-norm epilogue takes head dims 16, 32, 64, 128; use block.backend=reference$")
     with torch.device("meta"):
-        CodaLlama(qwen3)
+        CodaLlama(qwen3, cute)
         CodaLlama(get_preset("qwen2_5_0_5b").replace(n_layers=1), cute)
+        with pytest.raises(ValueError, match=refusal):
+            CodaLlama(qwen3.replace(head_dim=96), cute)
 
 
 def test_a_qwen3_config_without_head_dim_has_transformers_default_of_128():
@@ -136,11 +137,11 @@ def test_a_qwen3_config_without_head_dim_has_transformers_default_of_128():
     assert config_from_hf(hf_cfg).head_dim == 128
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen3-tied", "mistral-head-dim"])
-def test_model_hf_plans_a_family_folder_and_the_cute_stages_refuse_a_qk_norm_by_name(tmp_path, name):
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "qwen3-tied", "mistral-head-dim"])
+def test_model_hf_plans_a_family_folder_and_the_cute_stages_refuse_a_qk_norm_head_dim_by_name(tmp_path, name):
     """model=hf takes the family's architecture from config.json when the run is planned; the plan
-    for the cute stages (scripts/precompile.py's, no device) names the epilogue they lack (Qwen3's
-    QK-norm) and takes the others."""
+    for the cute stages (scripts/precompile.py's, no device) takes every family's epilogues and
+    names a QK-norm head dim they cannot tile (24)."""
     theirs = transformers_model(name)
     theirs.save_pretrained(tmp_path)
     folder = ["model=hf", f"checkpoint.init_from={tmp_path}", "block=coda", "block.attention=sdpa"]
@@ -148,12 +149,12 @@ def test_model_hf_plans_a_family_folder_and_the_cute_stages_refuse_a_qk_norm_by_
     assert planned.model_cfg == saved_architecture(tmp_path)
     assert planned.model_cfg.family == theirs.config.model_type
     cute = validate(load_config([*folder, "block.backend=cute"]))
-    lacking = {"qwen3": "qk_norm"}.get(planned.model_cfg.family)
-    if lacking is None:  # Mistral is a Llama; Qwen2's bias is an epilogue of the cute QKV GEMM
-        assert build_run_plan(cute, None).block.backend == "cute"
-    else:
-        with pytest.raises(ValueError, match=rf"^model.{lacking}=true does not run on block.backend=cute"):
+    if name == "qwen3-tied":
+        with pytest.raises(ValueError, match=r"^model.head_dim=24 does not run with model.qk_norm=true on "
+                                             r"block.backend=cute"):
             build_run_plan(cute, None)
+    else:
+        assert build_run_plan(cute, None).block.backend == "cute"
 
 
 def test_a_head_dim_of_dim_over_heads_follows_a_new_dim_and_an_explicit_one_stays():

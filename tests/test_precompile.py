@@ -42,6 +42,7 @@ CUDA_EXTRAS = ("cutlass", "quack", "flash_attn", "triton")
 # A vocabulary that is not a multiple of 8, and an F1 and F3 that tile differently (K ≤ N and K > N).
 ODD_SHAPES = ["model.vocab_size=509", "model.dim=384", "model.ffn_dim=1024"]
 QKV_BIAS = ["model.family=qwen2", "model.qkv_bias=true"]
+QK_NORM = ["model.family=qwen3", "model.qk_norm=true"]
 DOCUMENTS = ["data.keep_document_boundaries=true"]
 # The FP8 layer GEMMs on the cute stages; with SDPA, as the FP8 kernels do not touch attention
 # (FA4's kernels are the bf16 builds' to check).
@@ -107,10 +108,10 @@ def precompile_script(*args: str) -> subprocess.CompletedProcess:
     (["model.dim=640", "model.n_heads=8", "model.n_kv_heads=2"],
      r"^model.head_dim=80 does not run on block.attention=fa4, which is "
      r"correct at head dims 32, 64, 96, 128, 160, 192, 224, 256; block.attention=sdpa takes any$"),
-    # The cute QKV GEMM has no QK-norm epilogue yet (issue: Qwen2.5, Qwen3 and Mistral).
-    (["model.family=qwen3", "model.qk_norm=true"],
-     r"^model.qk_norm=true does not run on block.backend=cute: its QKV GEMM has no epilogue for a "
-     r"QK-norm yet; use block.backend=reference or block=eager$"),
+    # The cute QK-norm's tiles hold whole heads of its head dims (resolve.QKNORM_HEAD_DIMS).
+    (["model.family=qwen3", "model.qk_norm=true", "model.n_heads=8", "model.n_kv_heads=2", "model.dim=768"],
+     r"^model.head_dim=96 does not run with model.qk_norm=true on block.backend=cute, whose QK-norm "
+     r"epilogue takes head dims 16, 32, 64, 128; use block.backend=reference$"),
 ])
 def test_widths_the_kernels_cannot_take_are_refused_before_anything_compiles(overrides, refusal):
     """A width that is not whole 16-byte rows (or a head dim FA4 lacks) is named, with the nearest
@@ -139,6 +140,8 @@ def test_shapes_of_a_run_config():
     assert not fa4_only.stages and fa4_only.fa4 and fa4_only.documents
     # A QKV bias swaps in the bias variants of F4 and the RoPE backward.
     assert shapes_of([*CODA_KERNELS, *QKV_BIAS]).key == f"{shapes.key} qkv_bias"
+    # Qwen3's QK-norm swaps in the QK-norm variants of F4 and the RoPE backward.
+    assert shapes_of([*CODA_KERNELS, *QK_NORM]).key == f"{shapes.key} qk_norm"
     cute_sdpa = ["block=coda", "block.backend=cute", "block.attention=sdpa"]
     assert shapes_of([*cute_sdpa, "data.keep_document_boundaries=true"]).key == shapes_of(cute_sdpa).key
     # No CuTeDSL kernel: the eager block, the reference stages with SDPA, `auto` on a CPU.
@@ -146,6 +149,25 @@ def test_shapes_of_a_run_config():
     reference = ["block=coda", "block.backend=reference", "block.attention=sdpa"]
     assert not shapes_of(reference).any
     assert not shapes_of(["block=coda"], torch.device("cpu")).any
+
+
+@pytest.mark.skipif(
+    not all(importlib.util.find_spec(name) for name in CUDA_EXTRAS),
+    reason="needs the cuda extras (nvidia-cutlass-dsl, quack-kernels, flash-attn-4) and triton",
+)
+def test_a_qk_norm_model_lists_the_qk_norm_kernels_in_whole_head_tiles():
+    """Qwen3's QK-norm swaps F4 and the RoPE backward for their QK-norm variants in the precompile
+    specs, and F4's QK-norm tiles hold whole heads of every head dim resolve lets through."""
+    from codatrain.kernels.cute.compile_specs import kernel_specs
+    from codatrain.kernels.cute.configs import gemm_config
+    from codatrain.kernels.resolve import QKNORM_HEAD_DIMS
+
+    names = [spec.name for spec in kernel_specs(shapes_of([*CODA_KERNELS, *QK_NORM]))]
+    assert "F4 QKV · rstd + QK-norm + RoPE" in names and "QK-norm + RoPE backward + ZdZ" in names
+    assert "F4 QKV · rstd + RoPE" not in names and "RoPE backward + ZdZ" not in names
+    plain = [spec.name for spec in kernel_specs(tiny_shapes())]
+    assert "F4 QKV · rstd + RoPE" in plain and "QK-norm + RoPE backward + ZdZ" not in plain
+    assert all(gemm_config("rstd_qknorm_rope").tile_n % head_dim == 0 for head_dim in QKNORM_HEAD_DIMS)
 
 
 def test_the_fp8_recipe_is_part_of_the_kernel_shapes(tmp_path):
@@ -231,12 +253,14 @@ def test_script_check_and_nothing_to_compile(tmp_path):
     not all(importlib.util.find_spec(name) for name in CUDA_EXTRAS),
     reason="needs the cuda extras (nvidia-cutlass-dsl, quack-kernels, flash-attn-4) and triton",
 )
-# One build covers the odd widths, the QKV bias and the documents (each build costs CI a minute or two).
+# One build covers Qwen3's QK-norm, another the odd widths, the QKV bias and the documents (each
+# build costs CI a minute or two).
 @pytest.mark.parametrize("widths, fa4_kernels",
-                         [([], FA4_FIXED), ([*ODD_SHAPES, *QKV_BIAS, *DOCUMENTS], FA4_VARLEN)],
-                         ids=["tiny", "odd-shapes-qkv-bias-documents"])
+                         [(QK_NORM, FA4_FIXED), ([*ODD_SHAPES, *QKV_BIAS, *DOCUMENTS], FA4_VARLEN)],
+                         ids=["tiny-qk-norm", "odd-shapes-qkv-bias-documents"])
 def test_precompile_tiny_for_sm90a(tmp_path, widths, fa4_kernels):
-    """The tiny config, and the same with a vocabulary that is not a multiple of 8 (its LM head pads
+    """The tiny config as a Qwen3 (its QK-norm: the QK-norm variants of F4 and of the RoPE
+    backward), and the tiny config with a vocabulary that is not a multiple of 8 (its LM head pads
     the logits rows; unpadded, the cross-entropy kernel stopped the build with a compiler error), an
     out-projection and down-projection that tile differently (F1 and F3 leave different numbers of
     x² partials), a QKV bias (Qwen2: the bias variants of F4 and the RoPE backward) and
@@ -252,6 +276,8 @@ def test_precompile_tiny_for_sm90a(tmp_path, widths, fa4_kernels):
     entry = read_manifest(tmp_path)["configs"][shapes.key]
     kernels = set(entry["kernels"])
     stages = ("F1 out-proj", "F2 gate/up", "F4 QKV", "LM head linear cross-entropy", "final RMSNorm backward")
+    if widths == QK_NORM:
+        stages += ("F4 QKV · rstd + QK-norm + RoPE", "QK-norm + RoPE backward")
     for stage in stages:
         assert any(name.startswith(stage) for name in kernels), f"{stage} missing from {sorted(kernels)}"
     assert [name for name in entry["kernels"] if name.startswith("FA4")] == fa4_kernels

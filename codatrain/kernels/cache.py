@@ -74,8 +74,9 @@ class KernelShapes:
     compile for any M), which parts of the block run as CuTeDSL kernels: `stages` (the CODA
     stages on the cute backend) and `fa4` (attention), as `codatrain.kernels.resolve` resolved
     them, and `documents` (data.keep_document_boundaries: FA4 runs its variable-length kernels
-    instead; the stages do not change), and `qkv_bias` (the QKV GEMM and the RoPE backward take
-    their bias variants). Depth does not matter: every layer launches the same kernels.
+    instead; the stages do not change), `qkv_bias` (the QKV GEMM and the RoPE backward take
+    their bias variants) and `qk_norm` (Qwen3: the QK-norm variants of both). Depth does not
+    matter: every layer launches the same kernels.
 
     With block.precision=fp8 on the cute stages (`fp8`), the layer GEMMs run on FP8 operands and
     quantize passes write those operands: `fp8_grad_format` is the gradients' FP8 format (the
@@ -97,6 +98,7 @@ class KernelShapes:
     fa4: bool = True
     documents: bool = False
     qkv_bias: bool = False
+    qk_norm: bool = False
     precision: str = "bf16"  # or "fp8" (block.precision), only with `stages`
     fp8_grad_format: str = "e5m2"  # block.fp8_grad_format: "e5m2" or "e4m3"
     fp8_wgrad: bool = False  # block.fp8_wgrad
@@ -121,6 +123,8 @@ class KernelShapes:
         parts += [name for name in ("stages", "fa4") if getattr(self, name)]
         if self.stages and self.qkv_bias:
             parts.append("qkv_bias")
+        if self.stages and self.qk_norm:
+            parts.append("qk_norm")
         if self.fp8:
             parts += ["fp8", f"grads_{self.fp8_grad_format}", *(["fp8_wgrad"] if self.fp8_wgrad else []),
                       *(["fp8_fast_accum"] if self.fp8_fast_accum else [])]

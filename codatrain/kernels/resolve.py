@@ -31,6 +31,10 @@ FP8_ROW_MULTIPLE = 16
 # H200: the multiples of 32. It accepts every multiple of 8 up to 256, but its backward is wrong at
 # 16, 48, 80, 104 and 112 (dq, dk, dv errors of 0.6 to 0.7 against SDPA).
 FA4_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+# The head dims of the cute QK-norm (Qwen3's is 128): its QKV GEMM tiles are 128 columns wide and
+# must hold whole heads (the per-head statistic stays inside a tile), its backward sums a head over
+# one warp's lanes (4 columns each), and its z leaves the epilogue as two half-width 16-byte rows.
+QKNORM_HEAD_DIMS = (16, 32, 64, 128)
 
 
 @dataclass(frozen=True)
@@ -76,10 +80,11 @@ class ResolvedBlock:
                                      "16-byte units")
             if problem:
                 return problem
-            # The cute QKV GEMM has no QK-norm epilogue yet; the reference stages compute it.
-            if qk_norm:
-                return ("model.qk_norm=true does not run on block.backend=cute: its QKV GEMM has no "
-                        "epilogue for a QK-norm yet; use block.backend=reference or block=eager")
+            if qk_norm and head_dim not in QKNORM_HEAD_DIMS:
+                dims = ", ".join(map(str, QKNORM_HEAD_DIMS))
+                return (f"model.head_dim={head_dim} does not run with model.qk_norm=true on "
+                        f"block.backend=cute, whose QK-norm epilogue takes head dims {dims}; use "
+                        "block.backend=reference")
         if self.fa4 and head_dim not in FA4_HEAD_DIMS:
             correct = ", ".join(map(str, FA4_HEAD_DIMS))
             return (f"model.head_dim={head_dim} does not run on block.attention=fa4, which is correct at "

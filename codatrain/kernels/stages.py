@@ -347,8 +347,8 @@ class StageBackend(ABC):
         RMS-normed and scaled by q_weight, each of the next rope_heads − q_heads (the k heads) by
         k_weight: n = z·(mean_j z_j² + eps)^-1/2 ⊙ γ over each head's head_dim columns, then RoPE.
         q_weight and k_weight (head_dim,) are in the CODA column order (RoPE pairs adjacent).
-        Returns qkv and the pre-norm z of the q and k columns. Only the reference stages have it
-        so far.
+        Returns qkv and the pre-norm z of the q and k columns. The stage backend's own default
+        refuses: a backend has the QK-norm when it overrides this and `qknorm_rope_bwd`.
         """
         raise NotImplementedError(f"stage backend {self.name!r} has no QK-norm epilogue")
 
@@ -460,7 +460,7 @@ class StageBackend(ABC):
         dz = r·(dn⊙γ − x̂·mean_j(x̂_j·dn_j·γ_j))), and the attention norm's ZdZ.
 
         dqkv (M, N_qkv); qkv the stage's output (its v columns are z's); z its pre-norm q and k
-        columns; the other arguments as in the forward. Only the reference stages have it so far.
+        columns; the other arguments as in the forward.
         """
         raise NotImplementedError(f"stage backend {self.name!r} has no QK-norm epilogue")
 

@@ -146,7 +146,7 @@ def build_run_plan(run: RunConfig, device: torch.device | None, world_size: int 
         dim=model_cfg.dim, n_heads=model_cfg.n_heads, n_kv_heads=model_cfg.n_kv_heads,
         head_dim=model_cfg.head_dim, ffn_dim=model_cfg.ffn_dim, vocab_size=model_cfg.vocab_size,
         batch=tcfg.micro_batch_size, seq_len=data.seq_len, stages=block.cute_stages, fa4=block.fa4,
-        documents=data.keep_document_boundaries, qkv_bias=model_cfg.qkv_bias,
+        documents=data.keep_document_boundaries, qkv_bias=model_cfg.qkv_bias, qk_norm=model_cfg.qk_norm,
         **fp8_kernel_shapes(run.block, fp8, block.cute_stages),
     )
     gpu = device is None or device.type == "cuda"

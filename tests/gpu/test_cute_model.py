@@ -143,6 +143,12 @@ ODD_CASES = {
     "qwen2-qkv-bias": (LlamaConfig(dim=512, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=1368,
                                    vocab_size=1000, rope_theta=10000.0, family="qwen2", qkv_bias=True),
                        2, 150, "fa4"),
+    # Qwen3's QK-norm: F4's QK-norm + RoPE epilogue, its backward and the norm weights' gradients,
+    # at head dim 64 with a tied head, and at Qwen3-0.6B's attention widths (head dim 128).
+    "qwen3-qk-norm-hd64": (LlamaConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, ffn_dim=704,
+                                       vocab_size=1000, rope_theta=1000000.0, norm_eps=1e-6, family="qwen3",
+                                       qk_norm=True, tie_embeddings=True), 2, 150, "fa4"),
+    "qwen3_0_6b-L2": (get_preset("qwen3_0_6b").replace(n_layers=2, vocab_size=1000), 2, 256, "fa4"),
     # A head dim FA4 gets wrong (resolve.FA4_HEAD_DIMS): the cute stages with SDPA, as `auto` picks.
     "hd80-sdpa": (LlamaConfig(dim=640, n_layers=2, n_heads=8, n_kv_heads=2, ffn_dim=1712, vocab_size=151,
                               rope_theta=10000.0), 2, 100, "sdpa"),

@@ -38,6 +38,8 @@ from codatrain.kernels.stages import (
     EntryOut,
     HeadLossOut,
     LseOut,
+    QkNormBwdOut,
+    QkNormOut,
     ResidualOut,
     RmsBwdFp8Out,
     RmsBwdOut,
@@ -79,6 +81,15 @@ def _maybe_quantize(x: torch.Tensor, to: QuantizeTo | None) -> torch.Tensor | Fp
     # The stages build their outputs anew around this rather than `NamedTuple._replace`, which
     # torch 2.11's dynamo cannot return from a compiled region.
     return x if to is None else quantize_to(x, to)
+
+
+def _column_norm_weight(q_weight: torch.Tensor, k_weight: torch.Tensor, q_heads: int, rope_heads: int,
+                        n: int) -> torch.Tensor:
+    """fp32 (n,): the QK-norm weight of each QKV column, q_weight on the q heads, k_weight on the k
+    heads, 0 on the v columns (which the norm passes through)."""
+    head_dim = q_weight.shape[0]
+    return torch.cat((q_weight.float().repeat(q_heads), k_weight.float().repeat(rope_heads - q_heads),
+                      q_weight.new_zeros(n - rope_heads * head_dim, dtype=STAT)))
 
 
 class CuteStages(StageBackend):
@@ -202,6 +213,37 @@ class CuteStages(StageBackend):
         )
         return qkv
 
+    def gemm_rstd_qknorm_rope(
+        self,
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        rstd: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        head_dim: int,
+        q_heads: int,
+        rope_heads: int,
+        rope: Rope,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        bias: torch.Tensor | None = None,
+    ) -> QkNormOut:
+        if isinstance(h, Fp8Tensor):
+            raise TypeError("cute gemm_rstd_qknorm_rope: the QK-norm epilogue takes no FP8 operands")
+        _check_activations("gemm_rstd_qknorm_rope", h, weight, q_weight, k_weight,
+                           *([] if bias is None else [bias]))
+        m, n = h.shape[0], weight.shape[0]
+        rope_cols = rope_heads * head_dim
+        qkv, z_pairs = empty(m, n, like=h), empty(2, m, n // 2, like=h)
+        gemm_stages.gemm_rstd_qknorm_rope(
+            h, weight, rstd, positions, bias, _column_norm_weight(q_weight, k_weight, q_heads, rope_heads, n),
+            qkv, z_pairs, head_dim, rope_heads, eps, *gemm_stages.rope_args(rope),
+        )
+        # The stage's z is in column order: the even and odd lanes of the q and k pairs, interleaved.
+        z = torch.stack((z_pairs[0, :, : rope_cols // 2], z_pairs[1, :, : rope_cols // 2]), dim=-1)
+        return QkNormOut(qkv, z.view(m, rope_cols))
+
     def gemm_rstd(self, h: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
         _check_activations("gemm_rstd", h, weight)
         # Logits rows are TMA stores: a vocabulary that is not a multiple of 8 is written into rows
@@ -271,6 +313,36 @@ class CuteStages(StageBackend):
             *gemm_stages.rope_args(rope),
         )
         return RopeBwdOut(_maybe_quantize(out.dz, dz_fp8), out.zdz)
+
+    def qknorm_rope_bwd(
+        self,
+        dqkv: torch.Tensor,
+        qkv: torch.Tensor,
+        z: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        head_dim: int,
+        q_heads: int,
+        rope_heads: int,
+        rope: Rope,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        bias: torch.Tensor | None = None,
+    ) -> QkNormBwdOut:
+        _check_activations("qknorm_rope_bwd", dqkv, qkv, z, q_weight, k_weight,
+                           *([] if bias is None else [bias]))
+        m, n = dqkv.shape
+        out = QkNormBwdOut(empty(m, n, like=dqkv), empty(m, like=dqkv, dtype=STAT), None, None)
+        partials = empty(rowwise.qknorm_blocks(m), n, like=dqkv, dtype=STAT)
+        rowwise.qknorm_rope_bwd(
+            dqkv.contiguous(), qkv.contiguous(), z.contiguous(), positions,
+            _column_norm_weight(q_weight, k_weight, q_heads, rope_heads, n), bias, out.dz, out.zdz, partials,
+            head_dim, rope_heads, eps, *gemm_stages.rope_args(rope),
+        )
+        # The per-column sums of the CTAs' partials, then over the q heads and over the k heads.
+        dgamma = partials.sum(0)[: rope_heads * head_dim].view(rope_heads, head_dim)
+        return QkNormBwdOut(out.dz, out.zdz, dgamma[:q_heads].sum(0), dgamma[q_heads:].sum(0))
 
     def bias_grad(self, dz: torch.Tensor) -> torch.Tensor:
         # One column-sum pass over dz (M × N_qkv), in fp32.

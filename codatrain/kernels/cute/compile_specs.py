@@ -141,6 +141,11 @@ def _qkv_dim(s: KernelShapes) -> int:
     return (s.n_heads + 2 * s.n_kv_heads) * s.head_dim
 
 
+def _qk_norm(s: KernelShapes) -> dict:
+    """The QK-norm arguments of F4 and its backward: the norm weights and ε (no kernel depends on ε)."""
+    return {"q_heads": s.n_heads, "q_weight": _act(s.head_dim), "k_weight": _act(s.head_dim), "eps": _EPS}
+
+
 def _head_rows(s: KernelShapes) -> int:
     """Rows per chunk of the LM head, as `CodaLlama` chooses them by default."""
     return CuteStages().head_chunk_rows(s.vocab_size)
@@ -191,6 +196,12 @@ def forward_kernels(s: KernelShapes) -> list[KernelSpec]:
         for partials in (out_proj().sq_partials, down_proj().sq_partials):
             st.rstd_from_partials(partials, dim=d, eps=_EPS)
 
+    def qkv():
+        inputs = (_act(m, d), _act(_qkv_dim(s), d), _stat(m), _index(m))
+        if s.qk_norm:
+            return st.gemm_rstd_qknorm_rope(*inputs, **rope, **_qk_norm(s))
+        return st.gemm_rstd_rope(*inputs, **rope)
+
     return [
         KernelSpec("F1 out-proj + residual + x² partials", out_proj),
         KernelSpec("F3 down-proj + residual + x² partials", down_proj),
@@ -199,10 +210,7 @@ def forward_kernels(s: KernelShapes) -> list[KernelSpec]:
             "F2 gate/up · rstd + SwiGLU",
             lambda: st.gemm_rstd_swiglu(_act(m, d), _act(2 * s.ffn_dim, d), _stat(m)),
         ),
-        KernelSpec(
-            "F4 QKV · rstd + RoPE",
-            lambda: st.gemm_rstd_rope(_act(m, d), _act(_qkv_dim(s), d), _stat(m), _index(m), **rope),
-        ),
+        KernelSpec("F4 QKV · rstd + QK-norm + RoPE" if s.qk_norm else "F4 QKV · rstd + RoPE", qkv),
         *lm_head,
     ]
 
@@ -268,6 +276,10 @@ def backward_kernels(s: KernelShapes) -> list[KernelSpec]:
         *layer_gemms,
         # rope_bwd and row_dot launch the same row-wise kernel, with and without the rotation.
         KernelSpec(
+            "QK-norm + RoPE backward + ZdZ",
+            lambda: rowwise.compile_qknorm_rope_bwd(_cute(ACT), _qkv_dim(s), s.head_dim,
+                                                    (s.n_heads + s.n_kv_heads) * s.head_dim, s.qkv_bias),
+        ) if s.qk_norm else KernelSpec(
             "RoPE backward + ZdZ",
             lambda: rowwise.compile_row_dot(_cute(ACT), _qkv_dim(s), True, s.qkv_bias),
         ),

@@ -44,6 +44,10 @@ _CONFIGS: dict[str, GemmConfig] = {
     "residual_rms_short_k": _PINGPONG_128x128,
     "rstd_swiglu": _PINGPONG_192x128,  # F2 gate/up
     "rstd_rope": _PINGPONG_192x128,  # F4 QKV
+    # F4 with the QK-norm: its per-head statistic needs tiles of whole heads (resolve.QKNORM_HEAD_DIMS
+    # divide 128); QuACK found 192×128 clustered pingpong the best config for its own fused QK-norm +
+    # RoPE epilogue.
+    "rstd_qknorm_rope": _PINGPONG_192x128,
     "rstd": _PINGPONG_128x192,  # LM head, full logits
     "rstd_lse": _PINGPONG_128x192,  # LM head, loss
     # backward (gemm_bwd_stages.py)

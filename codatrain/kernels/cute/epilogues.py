@@ -11,6 +11,10 @@ from QuACK as they are:
   rows scaled by rstd, then adjacent pairs rotated by angle pos·freq, with sin/cos computed in the
   epilogue from a per-row position and a per-column frequency (zero frequency on the v columns, so
   they pass through unrotated).
+- F4 with Qwen3's QK-norm (`rstd_qknorm_rope_epi` here, `rstd_bias_qknorm_rope_epi` with a QKV
+  bias): QuACK's per-head RMS statistic `quack.epilogue.head_rmsnorm.HeadRstd`, summed by an
+  accumulator prepass over each head's columns (tiles cover whole heads), then the norm weight
+  and the rotation of `rstd_rope_posfreq_epi`.
 - dSwiGLU `quack.epilogue.library.dswiglu_dpreact_mod`: acc = dy, C = the (scaled) pre-activation
   pairs (g, u); D = (dg, du) interleaved, ``postact`` = silu(g)·u, ``dsum`` = Σ g·dg + u·du, which
   is exactly the stage API's zdz because the stage API keeps the rstd-scaled pre-activation.
@@ -25,6 +29,7 @@ from __future__ import annotations
 import cutlass.cute as cute
 from quack.activation import swiglu
 from quack.epilogue.frontend import gemm_epilogue, pack, unpack
+from quack.epilogue.head_rmsnorm import HeadRstd
 from quack.epilogue.ops import (
     ColVecLoad,
     ColVecSelect,
@@ -63,6 +68,55 @@ def rstd_bias_rope_epi(acc, pos, freq, rstd, bias):
     lo = cute.math.fma(pos, fl, cute.math.fma(pos, fh, -t))
     s, c = sincos_turns(t, lo)
     return {"D": pack(x1 * c - x2 * s, x1 * s + x2 * c)}
+
+
+def _norm_rope(z, pos, freq, head_rstd, norm_weight, passthrough):
+    """The QK-norm and RoPE of F4's pre-norm pair z: q and k columns become z·r·γ (r their head's
+    rstd, γ = norm_weight; passthrough 0), v columns stay z (γ 0, passthrough 1); then adjacent
+    pairs rotate by pos·freq turns as in `rstd_bias_rope_epi` (v columns have frequency 0). z is
+    also written, as the two lanes of each pair: the backward reads it."""
+    x1, x2 = unpack(z * (head_rstd * norm_weight + passthrough))
+    z1, z2 = unpack(z)
+    fh, fl = unpack(freq)
+    t = pos * fh
+    lo = cute.math.fma(pos, fl, cute.math.fma(pos, fh, -t))
+    s, c = sincos_turns(t, lo)
+    return {"D": pack(x1 * c - x2 * s, x1 * s + x2 * c), "z_even": z1, "z_odd": z2}
+
+
+# The per-(row, head) statistic takes ε as a run-time operand rather than as HeadRstd's constant:
+# the prepass sums z² + ε over a head's head_dim columns, whose mean is mean z² + ε, so one kernel
+# serves every model's ε. Each epilogue owns its op instance, as QuACK's library mods do.
+_QKNORM_OPS = {"pos": ColVecLoad("pos"), "freq": RowVecLoad("freq"), "rstd": ColVecLoad("rstd"),
+               "norm_weight": RowVecLoad("norm_weight"), "passthrough": RowVecLoad("passthrough")}
+_head_rstd = HeadRstd("head_rstd", eps=0.0)
+_head_rstd_bias = HeadRstd("head_rstd", eps=0.0)
+
+
+def _qknorm_sq(acc, rstd, eps):
+    z = acc * rstd
+    return {"head_rstd": z * z + eps}
+
+
+def _qknorm_sq_bias(acc, rstd, bias, eps):
+    z = acc * rstd + bias
+    return {"head_rstd": z * z + eps}
+
+
+@gemm_epilogue(outputs=("z_even", "z_odd"), ops={**_QKNORM_OPS, "head_rstd": _head_rstd},
+               prepass=_qknorm_sq, prepass_outs=("head_rstd",), mode="acc_pair")
+def rstd_qknorm_rope_epi(acc, pos, freq, rstd, head_rstd, norm_weight, passthrough, eps):
+    """F4 with Qwen3's QK-norm: z = rstd ⊙ acc, each q and k head RMS-normed (its rstd from the
+    prepass, `eps` folded into it) and scaled by its norm weight, then RoPE (`_norm_rope`)."""
+    return _norm_rope(acc * rstd, pos, freq, head_rstd, norm_weight, passthrough)
+
+
+@gemm_epilogue(outputs=("z_even", "z_odd"),
+               ops={**_QKNORM_OPS, "bias": RowVecLoad("bias"), "head_rstd": _head_rstd_bias},
+               prepass=_qknorm_sq_bias, prepass_outs=("head_rstd",), mode="acc_pair")
+def rstd_bias_qknorm_rope_epi(acc, pos, freq, rstd, bias, head_rstd, norm_weight, passthrough, eps):
+    """`rstd_qknorm_rope_epi` with a QKV bias added before the norm: z = rstd ⊙ acc + bias."""
+    return _norm_rope(acc * rstd + bias, pos, freq, head_rstd, norm_weight, passthrough)
 
 
 @gemm_epilogue(ops={"rstd": ColVecLoad("rstd")})

@@ -23,9 +23,11 @@ from torch import Tensor
 from codatrain.kernels.cute.common import aligned16, empty
 from codatrain.kernels.cute.configs import gemm_config
 from codatrain.kernels.cute.epilogues import (
+    rstd_bias_qknorm_rope_epi,
     rstd_bias_rope_epi,
     rstd_epi,
     rstd_lse_target_epi,
+    rstd_qknorm_rope_epi,
     rstd_swiglu_epi,
 )
 from codatrain.kernels.stages import Rope, RopeType, rope_inv_freq
@@ -129,6 +131,37 @@ def gemm_rstd_rope(
     else:
         rstd_bias_rope_epi(h, weight.t(), out={"D": qkv}, config=gemm_config("rstd_rope"), tuned=False,
                            bias=aligned16(bias), **operands)
+
+
+@functools.lru_cache(maxsize=16)
+def qknorm_passthrough(rope_cols: int, n: int, device: torch.device) -> Tensor:
+    """fp32 (n,): 1 on the v columns, which the QK-norm epilogue passes through, 0 on q and k."""
+    return torch.cat((torch.zeros(rope_cols), torch.ones(n - rope_cols))).to(device)
+
+
+@cute_op("codatrain::cute_gemm_rstd_qknorm_rope", mutates_args=("qkv", "z_pairs"), device_types="cuda")
+def gemm_rstd_qknorm_rope(
+    h: Tensor, weight: Tensor, rstd: Tensor, positions: Tensor, bias: Tensor | None, norm_weight: Tensor,
+    qkv: Tensor, z_pairs: Tensor, head_dim: int, rope_heads: int, eps: float, rope_theta: float,
+    rope_type: str, rope_factor: float, rope_low_freq_factor: float, rope_high_freq_factor: float,
+    rope_original_max_positions: int,
+) -> None:
+    """qkv = rope(QK-norm(rstd ⊙ (h·Wᵀ) [+ bias])) and z_pairs (2, M, N/2): the pre-norm z, the even
+    columns of each RoPE pair in z_pairs[0], the odd in z_pairs[1] (QuACK's paired epilogue writes
+    extra outputs one value per pair). norm_weight (N,) fp32: each q head's norm weight, each k
+    head's, 0 on the v columns; the rope_* arguments as in `gemm_rstd_rope`."""
+    n = weight.shape[0]
+    rope_cols = rope_heads * head_dim
+    freq = rope_freq(head_dim, rope_heads, n, h.device, rope_theta, rope_type, rope_factor,
+                     rope_low_freq_factor, rope_high_freq_factor, rope_original_max_positions)
+    operands = {"pos": positions.to(torch.float32), "freq": freq, "rstd": rstd, "head_rstd": head_dim,
+                "norm_weight": norm_weight, "passthrough": qknorm_passthrough(rope_cols, n, h.device),
+                "eps": eps}
+    epilogue = rstd_qknorm_rope_epi
+    if bias is not None:
+        epilogue, operands["bias"] = rstd_bias_qknorm_rope_epi, aligned16(bias)
+    epilogue(h, weight.t(), out={"D": qkv, "z_even": z_pairs[0], "z_odd": z_pairs[1]},
+             config=gemm_config("rstd_qknorm_rope"), tuned=False, **operands)
 
 
 # ---- LM head: GEMM · rstd (logits), or · rstd + LSE + target logit (loss) ---------------------

@@ -1,5 +1,5 @@
-"""Row-wise CuTeDSL kernels of the CODA backward: RoPE backward with the attention norm's ZdZ, and
-the plain row dot product.
+"""Row-wise CuTeDSL kernels of the CODA backward: RoPE backward with the attention norm's ZdZ (and,
+for Qwen3, with the QK-norm's backward), and the plain row dot product.
 
 The RoPE backward cannot live in a GEMM epilogue: its output dz is the A operand (a mainloop
 input) of the dgrad and wgrad GEMMs that follow. It is one memory-bound pass instead: each CTA
@@ -13,6 +13,8 @@ the rotation the forward applied. Zero-frequency (v) columns rotate by angle 0, 
 
 from __future__ import annotations
 
+import operator
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
@@ -25,14 +27,20 @@ from quack.cute_dsl_utils import torch2cute_dtype_map
 from quack.dsl.torch_library_op import cute_op
 
 # The forward epilogue's (sin, cos) of a float-float angle in turns; quack-kernels is pinned.
-from quack.reduce import row_reduce
+from quack.reduce import row_reduce, warp_reduce
 from torch import Tensor
 
 from codatrain.kernels.cute.common import RowTiling, aligned16, copy_masked
-from codatrain.kernels.cute.gemm_stages import rope_freq
+from codatrain.kernels.cute.gemm_stages import qknorm_passthrough, rope_freq
 from codatrain.kernels.cute.pins import sincos_turns
 
 _MAX_THREADS = 256
+# The QK-norm backward: up to 512 threads, so that a row of the widest QKV (8B: 6144 columns) is
+# three 4-column vectors per thread; each CTA takes QKNORM_ROWS rows in turn and keeps the norm
+# weight's gradient over them in registers, written once as a partial sum (M / QKNORM_ROWS rows of
+# partials, summed after).
+_QKNORM_MAX_THREADS = 512
+QKNORM_ROWS = 32
 
 
 class RowDotKernel:
@@ -184,3 +192,215 @@ def rope_bwd(
 def row_dot(z: Tensor, dz: Tensor, zdz: Tensor) -> None:
     """zdz (M,) fp32 = Σ_n z·dz; z and dz contiguous."""
     compile_row_dot(torch2cute_dtype_map[z.dtype], z.shape[1], False)(z, dz, None, None, None, None, zdz)
+
+
+class QkNormRopeBwdKernel:
+    """The backward of F4's QK-norm + RoPE epilogue (`gemm_stages.gemm_rstd_qknorm_rope`), row by row.
+
+    Per row: dn = dqkv rotated back by −angle (as `RowDotKernel`; v columns have frequency 0, an
+    exact identity). Each q and k head (head_dim columns, its pre-norm z read from mZ) has
+    r = (mean z² + eps)^-1/2, x̂ = z·r and dz = r·(dn⊙γ − x̂·mean(x̂·dn⊙γ)); each v column dz = dn
+    (γ 0 there, passthrough 1: the head terms vanish). zdz[m] = Σ_n (z − bias)·dz over all
+    columns, z of the v columns being qkv's. The norm weight's gradient Σ_m dn·x̂ per column is
+    summed over the CTA's rows in registers and written to row `block` of mDgamma.
+
+    The row is tiled in 4-column vectors as `RowDotKernel` (`RowTiling`); the head_dim / 4 lanes
+    of a head are consecutive lanes of one warp (head_dim divides 128), so its sums are warp
+    shuffles within that lane group.
+    """
+
+    def __init__(self, dtype: type, n: int, head_dim: int, rope_cols: int, bias: bool) -> None:
+        t = RowTiling.of(n, 4, _QKNORM_MAX_THREADS)
+        assert t.vec == 4 and 128 % head_dim == 0 and rope_cols % head_dim == 0, "heads of whole lane groups"
+        self.dtype, self.n, self.head_dim, self.rope_cols, self.bias = dtype, n, head_dim, rope_cols, bias
+        self.vec, self.num_threads, self.steps, self.tile_n = t.vec, t.num_threads, t.steps, t.tile_n
+        self.head_lanes = head_dim // t.vec
+
+    @cute.jit
+    def __call__(
+        self,
+        mDqkv: cute.Tensor,
+        mQkv: cute.Tensor,
+        mZ: cute.Tensor,
+        mPos: cute.Tensor,
+        mFreq: cute.Tensor,
+        mGamma: cute.Tensor,
+        mPass: cute.Tensor,
+        mBias: cute.Tensor | None,
+        mDz: cute.Tensor,
+        mZdz: cute.Tensor,
+        mDgamma: cute.Tensor,
+        eps: Float32,
+        stream: cuda.CUstream,
+    ):
+        self.kernel(mDqkv, mQkv, mZ, mPos, mFreq, mGamma, mPass, mBias, mDz, mZdz, mDgamma, eps).launch(
+            grid=[mDgamma.shape[0], 1, 1], block=[self.num_threads, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mDqkv: cute.Tensor,
+        mQkv: cute.Tensor,
+        mZ: cute.Tensor,
+        mPos: cute.Tensor,
+        mFreq: cute.Tensor,
+        mGamma: cute.Tensor,
+        mPass: cute.Tensor,
+        mBias: cute.Tensor | None,
+        mDz: cute.Tensor,
+        mZdz: cute.Tensor,
+        mDgamma: cute.Tensor,
+        eps: Float32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        block, _, _ = cute.arch.block_idx()
+        smem = cutlass.utils.SmemAllocator()
+        num_warps = const_expr(self.num_threads // cute.arch.WARP_SIZE)
+        reduction_buffer = smem.allocate_tensor(
+            Float32, cute.make_layout((1, (num_warps, 1))), byte_alignment=8
+        )
+        tiler = (self.tile_n,)
+        part = tiled_copy_1d(self.dtype, self.num_threads, self.vec).get_slice(tidx)
+        part_f32 = tiled_copy_1d(Float32, self.num_threads, self.vec).get_slice(tidx)
+        atom = get_copy_atom(self.dtype, self.vec)
+        atom_f32 = get_copy_atom(Float32, self.vec)
+        tCol = part.partition_S(cute.local_tile(cute.make_identity_tensor(self.n), tiler, (0,)))
+
+        # The row-invariant columns: frequencies, norm weights, passthrough, bias.
+        def load_f32(mVec: cute.Tensor) -> cute.Tensor:
+            tg = part_f32.partition_S(cute.local_tile(mVec, tiler, (0,)))
+            tr = cute.make_rmem_tensor_like(tg)
+            tr.fill(0)
+            copy_masked(atom_f32, tg, tr, tCol, self.n, self.steps)
+            return tr
+
+        tFr, tGr, tPr = load_f32(mFreq), load_f32(mGamma), load_f32(mPass)
+        tBiasr = None
+        if const_expr(self.bias):
+            tBiasg = part.partition_S(cute.local_tile(mBias, tiler, (0,)))
+            tBiasr = cute.make_rmem_tensor_like(tBiasg)
+            tBiasr.fill(0)
+            copy_masked(atom, tBiasg, tBiasr, tCol, self.n, self.steps)
+        tAcc = cute.make_rmem_tensor_like(tFr)  # Σ over this CTA's rows of dn·x̂
+        tAcc.fill(0)
+        tDn = cute.make_rmem_tensor_like(tFr)
+        tZf = cute.make_rmem_tensor_like(tFr)
+        tDzf = cute.make_rmem_tensor_like(tFr)
+        tTerms = cute.make_rmem_tensor_like(tFr)
+
+        rows = mDqkv.shape[0]
+        inv_head_dim = const_expr(1.0 / self.head_dim)
+        for i in cutlass.range(QKNORM_ROWS, unroll=1):
+            row = block * QKNORM_ROWS + i
+            if row < rows:
+                gD = cute.local_tile(mDqkv[row, None], tiler, (0,))
+                tDg = part.partition_S(gD)
+                tDr = cute.make_rmem_tensor_like(tDg)
+                tDr.fill(0)
+                copy_masked(atom, tDg, tDr, tCol, self.n, self.steps)
+                # z: the q and k columns from mZ, the v columns from qkv (the norm passed them).
+                tZg = part.partition_S(cute.local_tile(mZ[row, None], tiler, (0,)))
+                tVg = part.partition_S(cute.local_tile(mQkv[row, None], tiler, (0,)))
+                tZr = cute.make_rmem_tensor_like(tDg)
+                tZr.fill(0)
+                for step in cutlass.range_constexpr(self.steps):
+                    if tCol[0, step] < self.rope_cols:
+                        cute.copy(atom, tZg[None, step], tZr[None, step])
+                    elif tCol[0, step] < self.n:
+                        cute.copy(atom, tVg[None, step], tZr[None, step])
+                tZf.store(tZr.load().to(Float32))
+
+                pos = mPos[row]
+                for step in cutlass.range_constexpr(self.steps):
+                    for j in cutlass.range_constexpr(self.vec // 2):
+                        fh, fl = tFr[2 * j, step], tFr[2 * j + 1, step]
+                        t = pos * fh
+                        lo = cute.math.fma(pos, fl, cute.math.fma(pos, fh, -t))
+                        s, c = sincos_turns(t, lo)
+                        x1 = tDr[2 * j, step].to(Float32)
+                        x2 = tDr[2 * j + 1, step].to(Float32)
+                        tDn[2 * j, step] = x1 * c + x2 * s
+                        tDn[2 * j + 1, step] = x2 * c - x1 * s
+                    # The head's sums over its lane group: Σ z², then Σ x̂·dn·γ.
+                    sq = Float32(0.0)
+                    for k in cutlass.range_constexpr(self.vec):
+                        sq += tZf[k, step] * tZf[k, step]
+                    sq = warp_reduce(sq, operator.add, threads_in_group=self.head_lanes, dtype=Float32)
+                    r = cute.math.rsqrt(sq * inv_head_dim + eps)
+                    dot = Float32(0.0)
+                    for k in cutlass.range_constexpr(self.vec):
+                        dot += tZf[k, step] * tDn[k, step] * tGr[k, step]
+                    dot = warp_reduce(dot, operator.add, threads_in_group=self.head_lanes, dtype=Float32)
+                    mean = dot * r * inv_head_dim  # mean x̂·dn·γ
+                    for k in cutlass.range_constexpr(self.vec):
+                        x_hat = tZf[k, step] * r
+                        dn = tDn[k, step]
+                        dz = r * (dn * tGr[k, step] - x_hat * mean) + dn * tPr[k, step]
+                        tDzf[k, step] = dz
+                        tAcc[k, step] += dn * x_hat
+                        z = tZf[k, step]
+                        if const_expr(self.bias):
+                            z = z - tBiasr[k, step].to(Float32)
+                        tTerms[k, step] = z * dz
+                tDzg = part.partition_D(cute.local_tile(mDz[row, None], tiler, (0,)))
+                tDzr = cute.make_rmem_tensor_like(tDzg)
+                tDzr.store(tDzf.load().to(self.dtype))
+                copy_masked(atom, tDzr, tDzg, tCol, self.n, self.steps)
+                zdz = row_reduce(tTerms.load(), cute.ReductionOp.ADD, self.num_threads, reduction_buffer)
+                if tidx == 0:
+                    mZdz[row] = zdz
+                # The next row's reduction reuses the buffer.
+                cute.arch.barrier()
+        tAccg = part_f32.partition_D(cute.local_tile(mDgamma[block, None], tiler, (0,)))
+        copy_masked(atom_f32, tAcc, tAccg, tCol, self.n, self.steps)
+
+
+@jit_cache
+def compile_qknorm_rope_bwd(dtype: type, n: int, head_dim: int, rope_cols: int, bias: bool):
+    kernel = QkNormRopeBwdKernel(dtype, n, head_dim, rope_cols, bias)
+    rows, blocks = cute.sym_int(), cute.sym_int()
+    row_major = (rows, n)
+    return cute.compile(
+        kernel,
+        make_fake_tensor(dtype, row_major, divisibility=kernel.vec),
+        make_fake_tensor(dtype, row_major, divisibility=kernel.vec),
+        make_fake_tensor(dtype, (rows, rope_cols), divisibility=kernel.vec),
+        make_fake_tensor(Float32, (rows,)),
+        make_fake_tensor(Float32, (n,), divisibility=kernel.vec),
+        make_fake_tensor(Float32, (n,), divisibility=kernel.vec),
+        make_fake_tensor(Float32, (n,), divisibility=kernel.vec),
+        make_fake_tensor(dtype, (n,), divisibility=kernel.vec) if bias else None,
+        make_fake_tensor(dtype, row_major, divisibility=kernel.vec),
+        make_fake_tensor(Float32, (rows,)),
+        make_fake_tensor(Float32, (blocks, n), divisibility=kernel.vec),
+        Float32(0),
+        make_fake_stream(),
+        options="--enable-tvm-ffi",
+    )
+
+
+def qknorm_blocks(m: int) -> int:
+    """CTAs of the QK-norm backward over m rows: rows of its norm-weight gradient partials."""
+    return (m + QKNORM_ROWS - 1) // QKNORM_ROWS
+
+
+@cute_op("codatrain::cute_qknorm_rope_bwd", mutates_args=("dz", "zdz", "dgamma_partials"),
+         device_types="cuda")
+def qknorm_rope_bwd(
+    dqkv: Tensor, qkv: Tensor, z: Tensor, positions: Tensor, norm_weight: Tensor, bias: Tensor | None,
+    dz: Tensor, zdz: Tensor, dgamma_partials: Tensor, head_dim: int, rope_heads: int, eps: float,
+    rope_theta: float, rope_type: str, rope_factor: float, rope_low_freq_factor: float,
+    rope_high_freq_factor: float, rope_original_max_positions: int,
+) -> None:
+    """dz, zdz (M,) fp32 and dgamma_partials (qknorm_blocks(M), N) fp32 of the QK-norm + RoPE
+    backward (`QkNormRopeBwdKernel`); dqkv, qkv and z (M, rope_heads·head_dim) contiguous;
+    norm_weight (N,) fp32 as the forward's; the rope_* arguments as in `gemm_stages.gemm_rstd_rope`."""
+    n, rope_cols = dqkv.shape[1], rope_heads * head_dim
+    compiled = compile_qknorm_rope_bwd(torch2cute_dtype_map[dqkv.dtype], n, head_dim, rope_cols,
+                                       bias is not None)
+    freq = rope_freq(head_dim, rope_heads, n, dqkv.device, rope_theta, rope_type, rope_factor,
+                     rope_low_freq_factor, rope_high_freq_factor, rope_original_max_positions)
+    bias = None if bias is None else aligned16(bias)
+    compiled(dqkv, qkv, z, positions.to(torch.float32), freq, norm_weight,
+             qknorm_passthrough(rope_cols, n, dqkv.device), bias, dz, zdz, dgamma_partials, eps)
