@@ -34,7 +34,9 @@ FA4_HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 # The head dims of the cute QK-norm (Qwen3's is 128): its QKV GEMM tiles are 128 columns wide and
 # must hold whole heads (the per-head statistic stays inside a tile), its backward sums a head over
 # one warp's lanes (4 columns each), and its z leaves the epilogue as two half-width 16-byte rows.
-QKNORM_HEAD_DIMS = (16, 32, 64, 128)
+# It also builds at 16, but its forward is wrong there on an H200 (qkv error 0.28 against 2.6e-3
+# allowed, tests/gpu/test_cute_qknorm.py::test_qknorm_at_small_head_dims; 32, 64 and 128 pass).
+QKNORM_HEAD_DIMS = (32, 64, 128)
 
 
 @dataclass(frozen=True)
