@@ -79,7 +79,7 @@ def test_quantize_fp8(shape, fmt, use_compile):
     torch.testing.assert_close(row_amax, x.float().abs().amax(1), rtol=0, atol=0)
 
 
-# (rows, columns): whole 64 × 128 tiles; partial tiles with 16-byte stores; sizes that are
+# (rows, columns): whole tiles; partial tiles with 16-byte stores; sizes that are
 # multiples of 8 only (8-byte stores).
 TRANSPOSE_SIZES = [(8192, 14336), (1008, 2832), (1000, 2816)]
 

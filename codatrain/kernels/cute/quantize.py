@@ -116,21 +116,24 @@ def quantize_fp8_outputs(x: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Ten
 # (contracting over the tokens) needs token-contiguous copies of its operands, a dgrad the
 # transposed weight. This pass writes the transposed FP8 copy, and the row-major one when asked,
 # from one read.
-TRANSPOSE_TILE = (64, 128)  # (rows, columns) of x per CTA
-_VEC = 8  # elements per 16-byte load of x; the row-major FP8 stores move two of them (16 bytes)
+TRANSPOSE_TILE = (128, 64)  # (rows, columns) of x per CTA: 128-byte lines of x in, of out_t out
+_VEC = 8  # elements per 16-byte load of x, and per shared-memory vector
 _TRANSPOSE_THREADS = 256
+_SEGMENT = 16  # rows of x (bytes of an out_t row) one thread gathers and stores at once
 
 
 class QuantizeTransposeKernel:
     """out_t = FP8(x·scale)ᵀ (C, R), out = FP8(x·scale) (R, C) [optional], both row-major, and
-    tile_amax[i, j] = max |x| over the (64 × 128) tile (i, j); one tile per CTA.
+    tile_amax[i, j] = max |x| over the (128 × 64) tile (i, j); one tile per CTA.
 
-    Memory-bound, so it is built for bytes in flight and whole-sector stores: each thread first
-    issues all four of its 16-byte loads (two 16-element runs of a row), writes their FP8 row run
-    in one 16-byte store and stages them in shared memory; after one barrier each thread gathers
-    32 rows of one column (the lanes of a warp take adjacent columns: no bank conflicts) and
-    stores them as 32 contiguous bytes of out_t. R and C must be multiples of 8; unless both are
-    multiples of 16 (FP8 GEMM operands are) the stores move 8 bytes each."""
+    Memory-bound, so it is built for bytes in flight and whole lines: each thread first issues all
+    four of its 16-byte loads (16-element runs of two rows), writes their FP8 row runs (16 bytes
+    each) and stages them in shared memory; after one barrier, four adjacent lanes gather 64 rows of
+    one column, 16 each, and store them as 64 contiguous bytes of out_t (a warp: four columns, or
+    eight with the second half of the tile's rows). Shared-memory vectors are XOR-swizzled by their
+    16-row segment, so the gather's lanes (eight segments of the same columns) hit distinct banks.
+    R and C must be multiples of 8; unless both are multiples of 16 (FP8 GEMM operands are) the
+    stores move 8 bytes each."""
 
     def __init__(self, dtype: type, out_dtype: type, rows_out: bool, store_elems: int) -> None:
         self.dtype, self.out_dtype, self.rows_out = dtype, out_dtype, rows_out
@@ -155,8 +158,12 @@ class QuantizeTransposeKernel:
         tile_rows, tile_cols = const_expr(TRANSPOSE_TILE[0]), const_expr(TRANSPOSE_TILE[1])
         run = const_expr(2 * _VEC)  # elements of a row one thread moves at once
         runs_per_row = const_expr(tile_cols // run)
-        row_steps = const_expr(tile_rows * runs_per_row // _TRANSPOSE_THREADS)
-        col_rows = const_expr(tile_rows * tile_cols // _TRANSPOSE_THREADS)  # rows of a column per thread
+        rows_per_pass = const_expr(_TRANSPOSE_THREADS // runs_per_row)
+        row_steps = const_expr(tile_rows // rows_per_pass)
+        vectors_per_row = const_expr(tile_cols // _VEC)
+        segments = const_expr(tile_rows // _SEGMENT)  # lanes per column in the gather
+        cols_per_pass = const_expr(_TRANSPOSE_THREADS // segments)
+        col_steps = const_expr(tile_cols // cols_per_pass)
         tidx, _, _ = cute.arch.thread_idx()
         tile_row, tile_col, _ = cute.arch.block_idx()
         n_rows, n_cols = mX.shape[0], mX.shape[1]
@@ -171,28 +178,29 @@ class QuantizeTransposeKernel:
         store = const_expr(self.store_elems)
         out_atom = get_copy_atom(self.out_dtype, store)
 
-        # Phase 1: thread t owns run t % 8 of rows t // 8 + 32 s (s < row_steps). All loads first.
+        # Phase 1: thread t owns run t % 4 of rows t // 4 + 64 s (s < row_steps). All loads first.
         r_first, run_idx = tidx // runs_per_row, tidx % runs_per_row
         col = col0 + run_idx * run
         loaded = [cute.make_rmem_tensor((run,), self.dtype) for _ in range(row_steps)]
         for s in cutlass.range_constexpr(row_steps):
             loaded[s].fill(0)
-            row = row0 + r_first + s * (_TRANSPOSE_THREADS // runs_per_row)
+            row = row0 + r_first + s * rows_per_pass
             for half in cutlass.range_constexpr(2):
                 if row < n_rows and col + half * _VEC < n_cols:
                     cute.copy(in_atom, cute.local_tile(mX[row, None], (_VEC,), (col // _VEC + half,)),
                               cute.local_tile(loaded[s], (_VEC,), (half,)))
         local_max = Float32(0.0)
         for s in cutlass.range_constexpr(row_steps):
-            r = r_first + s * (_TRANSPOSE_THREADS // runs_per_row)
+            r = r_first + s * rows_per_pass
             row = row0 + r
             x = loaded[s].load().to(Float32)
             high = x.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
             low = x.reduce(cute.ReductionOp.MIN, Float32.inf, 0)
             local_max = cute.arch.fmax(local_max, cute.arch.fmax(high, -low))
+            swizzle = (r // _SEGMENT) % vectors_per_row
             for half in cutlass.range_constexpr(2):
                 cute.copy(in_atom, cute.local_tile(loaded[s], (_VEC,), (half,)),
-                          cute.local_tile(tile[r, None], (_VEC,), (run_idx * 2 + half,)))
+                          cute.local_tile(tile[r, None], (_VEC,), ((run_idx * 2 + half) ^ swizzle,)))
             if const_expr(self.rows_out):
                 tOr = cute.make_rmem_tensor((run,), self.out_dtype)
                 tOr.store((x * scale).to(self.out_dtype))
@@ -202,19 +210,25 @@ class QuantizeTransposeKernel:
                                   cute.local_tile(mOut[row, None], (store,), (col // store + k,)))
         cute.arch.barrier()
 
-        # Phase 2: thread t writes rows [32 (t // 128), +32) of column t % 128 as one run of out_t.
-        c, seg = tidx % tile_cols, tidx // tile_cols
-        out_row, out_col = col0 + c, row0 + seg * col_rows
-        if out_row < n_cols:
-            tTr = cute.make_rmem_tensor((col_rows,), self.dtype)
-            for i in cutlass.range_constexpr(col_rows):
-                tTr[i] = tile[seg * col_rows + i, c]
-            tTo = cute.make_rmem_tensor((col_rows,), self.out_dtype)
-            tTo.store((tTr.load().to(Float32) * scale).to(self.out_dtype))
-            for j in cutlass.range_constexpr(col_rows // store):
-                if out_col + j * store < n_rows:
-                    cute.copy(out_atom, cute.local_tile(tTo, (store,), (j,)),
-                              cute.local_tile(mOutT[out_row, None], (store,), (out_col // store + j,)))
+        # Phase 2: lane group t // 8 takes a column, lane t % 8 its rows [16 (t % 8), +16): the
+        # column's 128 rows as 128 contiguous bytes of out_t; col_steps columns per thread.
+        seg = tidx % segments
+        swizzle = seg % vectors_per_row
+        out_col = row0 + seg * _SEGMENT
+        for k in cutlass.range_constexpr(col_steps):
+            c = tidx // segments + k * cols_per_pass
+            out_row = col0 + c
+            if out_row < n_cols:
+                tTr = cute.make_rmem_tensor((_SEGMENT,), self.dtype)
+                physical = ((c // _VEC) ^ swizzle) * _VEC + c % _VEC
+                for i in cutlass.range_constexpr(_SEGMENT):
+                    tTr[i] = tile[seg * _SEGMENT + i, physical]
+                tTo = cute.make_rmem_tensor((_SEGMENT,), self.out_dtype)
+                tTo.store((tTr.load().to(Float32) * scale).to(self.out_dtype))
+                for j in cutlass.range_constexpr(_SEGMENT // store):
+                    if out_col + j * store < n_rows:
+                        cute.copy(out_atom, cute.local_tile(tTo, (store,), (j,)),
+                                  cute.local_tile(mOutT[out_row, None], (store,), (out_col // store + j,)))
 
         tile_max = row_reduce(local_max, cute.ReductionOp.MAX, _TRANSPOSE_THREADS, max_buffer, init_val=0.0)
         if tidx == 0:
