@@ -212,7 +212,7 @@ class Fp8Step:
     def record(self, layer: int, operand: Operand, quantized: Fp8Tensor) -> None:
         if self.step_amax is not None:
             slot = self.step_amax[layer, operand]
-            slot.copy_(torch.maximum(slot, quantized.amax))
+            torch.maximum(slot, quantized.amax, out=slot)
 
 
 class Fp8Scaling:
