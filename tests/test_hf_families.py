@@ -123,7 +123,7 @@ def test_cute_stages_take_a_qk_norm_and_a_qkv_bias_and_refuse_a_qk_norm_head_dim
     cute = ResolvedBlock("coda", "cute", "sdpa", get_backend("reference"), sdpa_attention)
     qwen3 = get_preset("qwen3_0_6b").replace(n_layers=1)
     refusal = (r"^model.head_dim=96 does not run with model.qk_norm=true on block.backend=cute, whose "
-               r"QK-norm epilogue takes head dims 16, 32, 64, 128; use block.backend=reference$")
+               r"QK-norm epilogue takes head dims 32, 64, 128; use block.backend=reference$")
     with torch.device("meta"):
         CodaLlama(qwen3, cute)
         CodaLlama(get_preset("qwen2_5_0_5b").replace(n_layers=1), cute)
