@@ -8,7 +8,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from codatrain.config import load_config, validate
 from codatrain.kernels.attention import sdpa_attention
-from codatrain.kernels.resolve import ResolvedBlock
+from codatrain.kernels.resolve import QKNORM_HEAD_DIMS, ResolvedBlock
 from codatrain.kernels.stages import get_backend
 from codatrain.model import Llama
 from codatrain.model.coda import CodaLlama
@@ -141,7 +141,7 @@ def test_a_qwen3_config_without_head_dim_has_transformers_default_of_128():
 def test_model_hf_plans_a_family_folder_and_the_cute_stages_refuse_a_qk_norm_head_dim_by_name(tmp_path, name):
     """model=hf takes the family's architecture from config.json when the run is planned; the plan
     for the cute stages (scripts/precompile.py's, no device) takes every family's epilogues and
-    names a QK-norm head dim they cannot tile (24)."""
+    names a QK-norm head dim they do not run (the tiny folders' 16 and 24)."""
     theirs = transformers_model(name)
     theirs.save_pretrained(tmp_path)
     folder = ["model=hf", f"checkpoint.init_from={tmp_path}", "block=coda", "block.attention=sdpa"]
@@ -149,9 +149,10 @@ def test_model_hf_plans_a_family_folder_and_the_cute_stages_refuse_a_qk_norm_hea
     assert planned.model_cfg == saved_architecture(tmp_path)
     assert planned.model_cfg.family == theirs.config.model_type
     cute = validate(load_config([*folder, "block.backend=cute"]))
-    if name == "qwen3-tied":
-        with pytest.raises(ValueError, match=r"^model.head_dim=24 does not run with model.qk_norm=true on "
-                                             r"block.backend=cute"):
+    head_dim = planned.model_cfg.head_dim
+    if planned.model_cfg.qk_norm and head_dim not in QKNORM_HEAD_DIMS:
+        refusal = rf"^model.head_dim={head_dim} does not run with model.qk_norm=true on block.backend=cute"
+        with pytest.raises(ValueError, match=refusal):
             build_run_plan(cute, None)
     else:
         assert build_run_plan(cute, None).block.backend == "cute"
