@@ -215,6 +215,32 @@ def test_streamed_validation_without_documents_is_named(tmp_path):
             next(iter(val))
 
 
+def test_streamed_validation_reads_its_source_only_as_far_as_val_tokens_need(tmp_path):
+    """The first chunk of rows ends at exactly val_tokens tokens: the set still gets its last target
+    from the second chunk, and nothing after that is read (a bad row there is never reached)."""
+    (tmp_path / "v").mkdir()
+    docs = [f"v{i:02d}" for i in range(2 * CHUNK_ROWS)]  # 5 tokens each: BOS, 3 bytes, EOS
+    (tmp_path / "v" / "d.jsonl").write_text(
+        "".join(json.dumps({"text": t}) + "\n" for t in docs) + "not json\n")
+    corpus(tmp_path / "c")
+    val = build(stream_config(tmp_path / "c", val_path=str(tmp_path / "v"), val_tokens=5 * CHUNK_ROWS,
+                              seq_len=4))[1]
+    next(iter(val))
+    stream = val._loader.dataset.stream
+    expected = [t for d in docs for t in (BOS, *d.encode(), EOS)][:5 * CHUNK_ROWS + 1]
+    assert stream.read(0, stream.num_tokens).tolist() == expected
+
+
+def test_a_state_of_stored_windows_is_refused_by_a_stream(tmp_path):
+    corpus(tmp_path / "c")
+    stored = DataConfig(source=DataSource.files, path=str(tmp_path / "c"), seq_len=16, val_fraction=0.0,
+                        num_workers=0, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match=r"^the training data state was saved by a loader of stored "
+                                         r"windows, not a stream \(data.streaming changed\); it cannot "
+                                         r"continue exactly$"):
+        build(stream_config(tmp_path / "c"))[0].load_state_dict(build(stored)[0].state_dict())
+
+
 def test_state_of_another_reader_count_is_refused(tmp_path):
     corpus(tmp_path / "c")
     first = build(stream_config(tmp_path / "c", num_workers=2))[0]
