@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -215,12 +216,88 @@ def test_streamed_validation_without_documents_is_named(tmp_path):
             next(iter(val))
 
 
-def test_state_of_another_reader_count_is_refused(tmp_path):
+def test_streamed_validation_reads_its_source_only_as_far_as_val_tokens_need(tmp_path):
+    """The first chunk of rows ends at exactly val_tokens tokens: the set still gets its last target
+    from the second chunk, and nothing after that is read (a bad row there is never reached)."""
+    (tmp_path / "v").mkdir()
+    docs = [f"v{i:02d}" for i in range(2 * CHUNK_ROWS)]  # 5 tokens each: BOS, 3 bytes, EOS
+    (tmp_path / "v" / "d.jsonl").write_text(
+        "".join(json.dumps({"text": t}) + "\n" for t in docs) + "not json\n")
+    corpus(tmp_path / "c")
+    val = build(stream_config(tmp_path / "c", val_path=str(tmp_path / "v"), val_tokens=5 * CHUNK_ROWS,
+                              seq_len=4))[1]
+    next(iter(val))
+    stream = val._loader.dataset.stream
+    expected = [t for d in docs for t in (BOS, *d.encode(), EOS)][:5 * CHUNK_ROWS + 1]
+    assert stream.read(0, stream.num_tokens).tolist() == expected
+
+
+def test_a_state_of_stored_windows_is_refused_by_a_stream(tmp_path):
+    corpus(tmp_path / "c")
+    stored = DataConfig(source=DataSource.files, path=str(tmp_path / "c"), seq_len=16, val_fraction=0.0,
+                        num_workers=0, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match=r"^the training data state was saved by a loader of stored "
+                                         r"windows, not a stream \(data.streaming changed\); it cannot "
+                                         r"continue exactly$"):
+        build(stream_config(tmp_path / "c"))[0].load_state_dict(build(stored)[0].state_dict())
+
+
+def test_state_of_another_reader_count_window_or_world_is_refused_naming_both_values(tmp_path):
     corpus(tmp_path / "c")
     first = build(stream_config(tmp_path / "c", num_workers=2))[0]
     take(first, 3)
-    with pytest.raises(ValueError, match="data.num_workers"):
-        build(stream_config(tmp_path / "c", num_workers=1))[0].load_state_dict(first.state_dict())
+    state = first.state_dict()
+    refused = [({"num_workers": 1}, {}, "readers=2, but this run has 1", "data.num_workers (its readers)"),
+               ({"num_workers": 2, "seq_len": 8}, {}, "seq_len=16, but this run has 8", "seq_len"),
+               ({"num_workers": 2}, {"rank": 1, "world_size": 2}, "world_size=1, but this run has 2",
+                "world_size")]
+    for overrides, ranks, values, what in refused:
+        with pytest.raises(ValueError, match=re.escape(
+                f"the training stream state was saved with {values}: each reader's place in the stream "
+                f"cannot be mapped; resume with the same {what}") + "$"):
+            build(stream_config(tmp_path / "c", **overrides), **ranks)[0].load_state_dict(state)
+
+
+def test_stream_state_says_where_each_reader_stands_as_json(tmp_path):
+    corpus(tmp_path / "c")
+    loader = build(stream_config(tmp_path / "c", num_workers=2))[0]
+    assert loader.state_dict() == {"stream": str(tmp_path / "c"), "seq_len": 16, "world_size": 1,
+                                   "readers": 2, "batches": 0, "reader_states": [None, None]}
+    take(loader, 3)
+    state = loader.state_dict()
+    assert state["batches"] == 3 and json.loads(json.dumps(state)) == state  # plain lists, as stored
+    assert [s["epoch"] for s in state["reader_states"]] == [0, 0]
+    for reader in state["reader_states"]:
+        assert all(isinstance(reader[key], list) for key in ("tokens", "starts", "pool", "pool_lengths"))
+
+
+def test_every_load_of_a_stream_state_stops_the_iterators_made_before_it(tmp_path):
+    corpus(tmp_path / "c")
+    loader = build(stream_config(tmp_path / "c"))[0]
+    state = loader.state_dict()
+    loader.load_state_dict(state)
+    batches = iter(loader)
+    next(batches)
+    loader.load_state_dict(state)  # a second load stops an iterator made after the first
+    with pytest.raises(RuntimeError, match=re.escape(
+            "the training loader's state was loaded during iteration; call iter() on it again") + "$"):
+        next(batches)
+
+
+def test_stream_batches_are_moved_to_the_loaders_device(tmp_path):
+    corpus(tmp_path / "c")
+    loader = build_loaders(stream_config(tmp_path / "c"), 2, 0, 1, 0, "meta", max_seq_len=64,
+                           model_vocab_size=512)[0]
+    batch = next(iter(loader))
+    assert batch.inputs.device.type == batch.targets.device.type == batch.doc_ids.device.type == "meta"
+
+
+def test_a_stream_on_the_cpu_reads_without_warnings(tmp_path):
+    corpus(tmp_path / "c")
+    loader = build(stream_config(tmp_path / "c"))[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. pinning memory on a machine without an accelerator
+        next(iter(loader))
 
 
 def test_kill_and_resume_of_a_streaming_run_matches_the_uninterrupted_run(tmp_path, monkeypatch):
