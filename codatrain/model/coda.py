@@ -212,8 +212,8 @@ def _mlp_backward(
                     **_fp8_arg(f, layer, Operand.gate_up_grad, "dpreact_fp8")}
     dpreact, y, zdz = s.gemm_dswiglu(dx2_operand, dgrad_operand(w_down, w_down_scale), preact, **fp8_args)
     dw_down = s.wgrad(dx2_operand if wgrad_fp8 else dx2, y)
-    # x1 feeds both the MLP norm and the residual path to x2, whose gradient the epilogue adds.
     wq_gu = dgrad_operand(w_gu, w_gu_scale)
+    # x1 feeds both the MLP norm and the residual path to x2, whose gradient the epilogue adds.
     if f is None:
         dx1, n1, dgamma = s.gemm_rms_bwd(dpreact, wq_gu, x1, gamma_mlp, r1, zdz, dx2)
         dx1_operand = dx1
@@ -229,7 +229,7 @@ def _mlp_backward(
         dpreact_operand = _quantize(s, f, layer, Operand.gate_up_grad, dpreact)
         dx1, n1, dgamma = s.gemm_rms_bwd(dpreact_operand, wq_gu, x1, gamma_mlp, r1, zdz, dx2)
         dx1_operand = _quantize(s, f, layer, Operand.out_grad, dx1)
-    del wq_gu
+    del wq_gu  # before W_o's copy is made
     dw_gu = s.wgrad(dpreact, n1)
     do = s.dgrad(dx1_operand, dgrad_operand(w_o, w_o_scale))
     if wgrad_fp8:
