@@ -3,6 +3,8 @@ the quantization against torch's own float8 casts, the scale and history rules, 
 against the same math on dequantized operands, and the model's loss and gradients against fp64
 within FP8's own error."""
 
+import weakref
+
 import pytest
 import torch
 from model_states import random_canonical_state
@@ -259,10 +261,13 @@ class RecordingStages(ReferenceStages):
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[tuple[tuple[int, ...], QuantizeTo]] = []
+        self.made: list[weakref.ref] = []  # every FP8 copy, alive while its data is
 
     def quantize(self, x: torch.Tensor, to: QuantizeTo) -> Fp8Tensor:
         self.calls.append((tuple(x.shape), to))
-        return super().quantize(x, to)
+        quantized = super().quantize(x, to)
+        self.made.append(weakref.ref(quantized.data))
+        return quantized
 
 
 def test_the_backward_quantizes_each_weight_transposed_alone_with_the_forwards_scale():
@@ -286,3 +291,33 @@ def test_the_backward_quantizes_each_weight_transposed_alone_with_the_forwards_s
     assert all(to.scale is not None and to.transposed and not to.rows for to in backward)
     current = [fp8.scale_from_amax(fp8.amax(p), fp8.fp8_max(E4M3), 0).item() for p in weights.values()]
     assert sorted(to.scale.item() for to in backward) == sorted(current)
+
+
+def test_the_backward_holds_one_fp8_weight_copy_at_a_time():
+    """The backward's FP8 weight copies are made where they are read and dropped after: when one is
+    made, no other is alive (the last layer's backward runs beside the LM head's buffers, at the
+    step's peak memory; each copy of W_gu is 0.1 GiB at 8B widths)."""
+    cfg = CONFIGS["gqa2-L3"]
+    stages = RecordingStages()
+    block = ResolvedBlock("coda", "reference", "sdpa", stages, sdpa_attention)
+    model = CodaLlama(cfg, block, fp8=Fp8Recipe())
+    weight_shapes = {tuple(p.shape) for name, p in model.named_parameters()
+                     if name.split(".")[-1].startswith("w_") and "lm_head" not in name}
+    tokens, targets = batch(cfg, 2, 16, ignore=False)
+    loss = model(tokens, targets)
+    stages.calls.clear()
+    stages.made.clear()
+    alive_at_each_copy = []
+    real_quantize = stages.quantize
+
+    def quantize(x: torch.Tensor, to: QuantizeTo) -> Fp8Tensor:
+        if tuple(x.shape) in weight_shapes:
+            alive_at_each_copy.append(sum(
+                ref() is not None for ref, (shape, _) in zip(stages.made, stages.calls, strict=True)
+                if shape in weight_shapes))
+        return real_quantize(x, to)
+
+    stages.quantize = quantize
+    loss.backward()
+    assert len(alive_at_each_copy) == 4 * cfg.n_layers and max(alive_at_each_copy) == 0, alive_at_each_copy
+
