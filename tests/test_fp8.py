@@ -256,68 +256,56 @@ def test_fp8_refuses_the_qkv_epilogues_it_does_not_cover(key):
 
 
 class RecordingStages(ReferenceStages):
-    """The reference stages, recording the shape and the request of every `quantize` call."""
+    """The reference stages, recording every `quantize` call: the input's shape, the request, and
+    the shapes of the FP8 copies made before it that are still alive."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.calls: list[tuple[tuple[int, ...], QuantizeTo]] = []
-        self.made: list[weakref.ref] = []  # every FP8 copy, alive while its data is
+        self.calls: list[tuple[tuple[int, ...], QuantizeTo, list[tuple[int, ...]]]] = []
+        self._made: list[tuple[tuple[int, ...], weakref.ref]] = []
 
     def quantize(self, x: torch.Tensor, to: QuantizeTo) -> Fp8Tensor:
-        self.calls.append((tuple(x.shape), to))
+        alive = [shape for shape, data in self._made if data() is not None]
+        self.calls.append((tuple(x.shape), to, alive))
         quantized = super().quantize(x, to)
-        self.made.append(weakref.ref(quantized.data))
+        self._made.append((tuple(x.shape), weakref.ref(quantized.data)))
         return quantized
 
 
-def test_the_backward_quantizes_each_weight_transposed_alone_with_the_forwards_scale():
-    """A weight's amax is taken once per forward (current scaling): its dgrad copy in the backward
-    reuses the forward's scale (the weight has not changed) and writes Wᵀ alone."""
-    cfg = CONFIGS["gqa2-L3"]
+def weight_quantize_calls(cfg_name: str):
+    """(the layer weights by name, the forward's and the backward's `quantize` calls on them) of
+    one FP8 training step of the reference model."""
+    cfg = CONFIGS[cfg_name]
     stages = RecordingStages()
     block = ResolvedBlock("coda", "reference", "sdpa", stages, sdpa_attention)
     model = CodaLlama(cfg, block, fp8=Fp8Recipe())
     weights = {name: p for name, p in model.named_parameters()
                if name.split(".")[-1].startswith("w_") and "lm_head" not in name}
-    weight_shapes = {tuple(p.shape) for p in weights.values()}
+    shapes = {tuple(p.shape) for p in weights.values()}
     tokens, targets = batch(cfg, 2, 16, ignore=False)
     loss = model(tokens, targets)
-    forward = [to for shape, to in stages.calls if shape in weight_shapes]
+    forward = [call for call in stages.calls if call[0] in shapes]
     stages.calls.clear()
     loss.backward()
-    backward = [to for shape, to in stages.calls if shape in weight_shapes]
-    assert len(forward) == len(backward) == 4 * cfg.n_layers
-    assert all(to.scale is None and to.rows and not to.transposed for to in forward)
-    assert all(to.scale is not None and to.transposed and not to.rows for to in backward)
+    return weights, forward, [call for call in stages.calls if call[0] in shapes]
+
+
+def test_the_backward_quantizes_each_weight_transposed_alone_with_the_forwards_scale():
+    """A weight's amax is taken once per forward (current scaling): its dgrad copy in the backward
+    reuses the forward's scale (the weight has not changed) and writes Wᵀ alone."""
+    weights, forward, backward = weight_quantize_calls("gqa2-L3")
+    assert len(forward) == len(backward) == 4 * CONFIGS["gqa2-L3"].n_layers
+    assert all(to.scale is None and to.rows and not to.transposed for _, to, _ in forward)
+    assert all(to.scale is not None and to.transposed and not to.rows for _, to, _ in backward)
     current = [fp8.scale_from_amax(fp8.amax(p), fp8.fp8_max(E4M3), 0).item() for p in weights.values()]
-    assert sorted(to.scale.item() for to in backward) == sorted(current)
+    assert sorted(to.scale.item() for _, to, _ in backward) == sorted(current)
 
 
 def test_the_backward_holds_one_fp8_weight_copy_at_a_time():
     """The backward's FP8 weight copies are made where they are read and dropped after: when one is
     made, no other is alive (the last layer's backward runs beside the LM head's buffers, at the
     step's peak memory; each copy of W_gu is 0.1 GiB at 8B widths)."""
-    cfg = CONFIGS["gqa2-L3"]
-    stages = RecordingStages()
-    block = ResolvedBlock("coda", "reference", "sdpa", stages, sdpa_attention)
-    model = CodaLlama(cfg, block, fp8=Fp8Recipe())
-    weight_shapes = {tuple(p.shape) for name, p in model.named_parameters()
-                     if name.split(".")[-1].startswith("w_") and "lm_head" not in name}
-    tokens, targets = batch(cfg, 2, 16, ignore=False)
-    loss = model(tokens, targets)
-    stages.calls.clear()
-    stages.made.clear()
-    alive_at_each_copy = []
-    real_quantize = stages.quantize
-
-    def quantize(x: torch.Tensor, to: QuantizeTo) -> Fp8Tensor:
-        if tuple(x.shape) in weight_shapes:
-            alive_at_each_copy.append(sum(
-                ref() is not None for ref, (shape, _) in zip(stages.made, stages.calls, strict=True)
-                if shape in weight_shapes))
-        return real_quantize(x, to)
-
-    stages.quantize = quantize
-    loss.backward()
-    assert len(alive_at_each_copy) == 4 * cfg.n_layers and max(alive_at_each_copy) == 0, alive_at_each_copy
-
+    weights, _, backward = weight_quantize_calls("gqa2-L3")
+    shapes = {tuple(p.shape) for p in weights.values()}
+    alive = [[shape for shape in alive if shape in shapes] for _, _, alive in backward]
+    assert len(backward) == 4 * CONFIGS["gqa2-L3"].n_layers and not any(alive), alive
