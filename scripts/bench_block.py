@@ -579,13 +579,17 @@ def fp8_fns(s: StageBackend, x: Inputs) -> dict[str, dict[str, Callable]]:
     dx8, dpre8, dqkv8 = fp8(x.x, e5m2), fp8(x.preact, e5m2), fp8(x.dqkv, e5m2)
     w_down_t8, w_gu_t8, w_qkv_t8 = (w.t().contiguous() for w in (w_down8, w_gu8, w_qkv8))
     dswiglu_out = (torch.empty_like(x.preact), torch.empty_like(x.y), torch.empty_like(x.rstd))
-    row_tiles = gemm_bwd_stages.rms_bwd_row_tiles(x.m, configs.fp8_stage_config("fp8_rms_bwd", False)[0])
-    rms_out = (torch.empty_like(x.x), torch.empty_like(x.x),
-               torch.empty(row_tiles, x.cfg.dim, device=x.x.device))
+    dx_out, n_out = torch.empty_like(x.x), torch.empty_like(x.x)
+    dgamma_partials: dict[int, torch.Tensor] = {}  # by row tiles: the sweep's tile heights differ
 
     def rms_bwd(dz8: torch.Tensor, w_t8: torch.Tensor) -> Callable:
-        args = (one, x.x, x.gamma, x.rstd, x.zdz, x.x, *rms_out)
-        return lambda: fp8_bwd_stages.fp8_gemm_rms_bwd(dz8, w_t8, *args, False)
+        def call() -> None:
+            tiles = gemm_bwd_stages.rms_bwd_row_tiles(x.m, configs.fp8_stage_config("fp8_rms_bwd", False)[0])
+            if tiles not in dgamma_partials:
+                dgamma_partials[tiles] = torch.empty(tiles, x.cfg.dim, device=x.x.device)
+            fp8_bwd_stages.fp8_gemm_rms_bwd(dz8, w_t8, one, x.x, x.gamma, x.rstd, x.zdz, x.x, dx_out, n_out,
+                                            dgamma_partials[tiles], False)
+        return call
 
     rope = gemm_stages_rope_args(x)
     return {
@@ -650,10 +654,13 @@ def quantize_fns(x: Inputs) -> dict[str, dict[str, Callable]]:
 
 # (tile_m, tile_n, cluster_m, cluster_n, pingpong, fast_accum): QuACK's FP8 mainloop promotes the
 # accumulator to fp32 after every k-tile unless on fast accumulation; promoted, it holds two
-# accumulators per thread, which pingpong tiles hold only 64 wide.
-FP8_CANDIDATES = [(128, 128, 1, 2, False, False), (128, 192, 1, 2, False, False),
-                  (128, 64, 1, 2, True, False), (128, 128, 1, 2, False, True), (128, 128, 1, 2, True, True),
-                  (128, 192, 2, 1, True, True), (192, 128, 1, 2, True, True)]
+# accumulators per thread, which pingpong tiles hold only 64 wide. An epilogue's staged operands
+# (C, TileLoads, outputs) take shared memory from the A/B pipeline: the norm backward in 128×128
+# tiles keeps 3 k-tiles in flight, in 128×96 or 128×112 five (QuACK's stage count at compile).
+FP8_CANDIDATES = [(128, 128, 1, 2, False, False), (128, 96, 1, 2, False, False),
+                  (128, 96, 2, 1, False, False), (128, 112, 1, 2, False, False),
+                  (128, 112, 2, 1, False, False), (64, 128, 1, 2, False, False),
+                  (128, 192, 1, 2, False, False), (128, 128, 1, 2, True, True)]
 FP8_STAGE_KEYS = {"F1": "fp8_residual_rms", "F2": "fp8_rstd_swiglu", "F3": "fp8_residual_rms",
                   "F4": "fp8_rstd_rope", "Bdswiglu": "fp8_dswiglu", "Brms_gu": "fp8_rms_bwd",
                   "Brms_qkv": "fp8_rms_bwd"}

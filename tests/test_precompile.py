@@ -323,3 +323,32 @@ def test_precompile_fp8_for_sm90a(tmp_path):
         assert len([name for name in kernels if name.startswith("quantize")]) == quantize_passes, kernels
         assert not any(name.startswith(("F2 gate/up · rstd", "FA4")) for name in kernels), kernels
         assert cache_problems(tmp_path, shapes) == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not all(importlib.util.find_spec(name) for name in CUDA_EXTRAS),
+    reason="needs the cuda extras (nvidia-cutlass-dsl, quack-kernels, flash-attn-4) and triton",
+)
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_every_gemm_keeps_four_k_tiles_in_flight(tmp_path, precision):
+    """QuACK gives a GEMM's A/B pipeline the shared memory its epilogue leaves. The FP8 norm
+    backward and dSwiGLU in 128×128 cooperative tiles were left 3 k-tiles (their C, TileLoad and
+    outputs staged four deep): a latency-bound mainloop at 1.8–2.1× `_scaled_mm`, 1.2–1.7× in the
+    128×112 tiles that leave 4–5 (docs/benchmarks.md, "FP8 backward tiles"). Every GEMM a job
+    compiles, bf16 or FP8, keeps at least 4."""
+    overrides = CODA_KERNELS if precision == "bf16" else [*FP8_STAGES, "block.fp8_wgrad=true"]
+    shapes = shapes_of(overrides)
+    job = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "gemm_pipelines.py"), json.dumps(dataclasses.asdict(shapes))],
+        env=_compile_env(tmp_path, HOPPER_SMS), capture_output=True, text=True, timeout=900,
+    )
+    assert job.returncode == 0, job.stderr[-5000:]
+    pipelines = json.loads(job.stdout.splitlines()[-1])
+    kernels = {p["kernel"] for p in pipelines}
+    layer_gemms = ("fp8_rms_bwd", "fp8_dswiglu", "fp8_residual_rms") if precision == "fp8" else (
+        "rms_bwd", "dswiglu", "rms_partial", "rstd_swiglu", "rstd_rope")
+    for name in layer_gemms:
+        assert any(name in kernel for kernel in kernels), f"no {name} kernel among {sorted(kernels)}"
+    shallow = [p for p in pipelines if p["ab_stages"] < 4]
+    assert not shallow, shallow

@@ -34,6 +34,10 @@ _PINGPONG_128x128 = sm90_config(128, 128, pingpong=True, cluster_m=1, cluster_n=
 # after every k-tile, two accumulators per thread, which pingpong tiles (one warpgroup per tile)
 # spill; on fast accumulation (FP8_FAST_ACCUM) it keeps one, and pingpong tiles take it.
 _COOPERATIVE_128x128 = sm90_config(128, 128, pingpong=False, cluster_m=1, cluster_n=2)
+# The FP8 backward epilogues stage C, a TileLoad and their outputs in shared memory, which in
+# 128×128 tiles leaves the A/B pipeline 3 k-tiles (a latency-bound mainloop); 128×112 tiles leave
+# 4–5 (QuACK's stage count at compile; docs/benchmarks.md, "FP8 backward tiles").
+_COOPERATIVE_128x112 = sm90_config(128, 112, pingpong=False, cluster_m=2, cluster_n=1)
 
 _CONFIGS: dict[str, GemmConfig] = {
     # forward (gemm_stages.py)
@@ -60,8 +64,8 @@ _CONFIGS: dict[str, GemmConfig] = {
     "fp8_rstd_swiglu": _PINGPONG_128x128,  # F2, fast accumulation
     "fp8_rstd_rope": _PINGPONG_128x128,  # F4, fast accumulation
     # FP8 backward (fp8_bwd_stages.py)
-    "fp8_rms_bwd": _COOPERATIVE_128x128,  # norm backward in the gate/up and QKV dgrads
-    "fp8_dswiglu": _COOPERATIVE_128x128,  # dSwiGLU in the down-projection's dgrad
+    "fp8_rms_bwd": _COOPERATIVE_128x112,  # norm backward in the gate/up and QKV dgrads
+    "fp8_dswiglu": _COOPERATIVE_128x112,  # dSwiGLU in the down-projection's dgrad
 }
 # The FP8 stages that run on fast accumulation (the tensor cores' adder keeps about 14 bits): those
 # whose outputs still meet the stage tests' criterion with it (tests/gpu/test_cute_fp8_backend.py).
