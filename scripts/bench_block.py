@@ -436,6 +436,13 @@ def stage_gemms(s: StageBackend, x: Inputs) -> dict[str, tuple]:
     from codatrain.kernels.cute.gemm_stages import residual_rms_stage
 
     norm_bwd = (x.x, x.gamma, x.rstd, x.zdz, x.x)  # the norm's input, γ, rstd, zdz, residual grad
+    qk_norm = {}
+    if x.cfg.qk_norm:  # Qwen3: F4 with the QK-norm (its config key differs from F4's)
+        head_weight = (torch.rand(x.cfg.head_dim, device=x.h.device) + 0.5).to(x.h.dtype)
+        norm = {"q_heads": x.cfg.n_heads, "q_weight": head_weight, "k_weight": head_weight, "eps": EPS}
+        f4_args = (x.h, x.w_qkv, x.rstd, x.positions)
+        qk_norm["F4qk"] = ("rstd_qknorm_rope", lambda: s.gemm_rstd_qknorm_rope(*f4_args, **x.rope, **norm),
+                           x.h, x.w_qkv.t(), None)
     return {
         "F1": (residual_rms_stage(*x.w_o.shape[::-1]),
                lambda: s.gemm_residual_rms(x.attn_out, x.w_o, x.x, x.gamma), x.attn_out, x.w_o.t(), x.x),
@@ -448,6 +455,7 @@ def stage_gemms(s: StageBackend, x: Inputs) -> dict[str, tuple]:
         "Bdswiglu": ("dswiglu", lambda: s.gemm_dswiglu(x.x, x.w_down, x.preact), x.x, x.w_down, None),
         "Brms_gu": ("rms_bwd", lambda: s.gemm_rms_bwd(x.preact, x.w_gu, *norm_bwd), x.preact, x.w_gu, x.x),
         "Brms_qkv": ("rms_bwd", lambda: s.gemm_rms_bwd(x.dqkv, x.w_qkv, *norm_bwd), x.dqkv, x.w_qkv, x.x),
+        **qk_norm,
     }
 
 
@@ -469,6 +477,7 @@ def sweep(x: Inputs, device: torch.device, stages: list[str], warmup: int, iters
         "192x128 pingpong c1x2": cfg(192, 128, pingpong=True, cluster_m=1, cluster_n=2),
         "128x128 pingpong c2x1": cfg(128, 128, pingpong=True, cluster_m=2, cluster_n=1),
         "128x128 pingpong c1x2": cfg(128, 128, pingpong=True, cluster_m=1, cluster_n=2),
+        "128x128 coop c1x2": cfg(128, 128, pingpong=False, cluster_m=1, cluster_n=2),
         "128x256 coop c2x1": cfg(128, 256, pingpong=False, cluster_m=2, cluster_n=1),
         "256x128 coop c1x2": cfg(256, 128, pingpong=False, cluster_m=1, cluster_n=2),
         "256x128 coop c2x1": cfg(256, 128, pingpong=False, cluster_m=2, cluster_n=1),
@@ -729,7 +738,7 @@ def main() -> None:
     p.add_argument("--compile", action="store_true", help="also time the torch.compile'd eager block")
     p.add_argument("--sweep", nargs="*", metavar="STAGE",
                    help="time candidate GEMM configs of these cute stages (F1 F2 F3 F4 LM Bdswiglu Brms_gu "
-                        "Brms_qkv; none: all)")
+                        "Brms_qkv, and F4qk for a QK-norm model; none: all)")
     p.add_argument("--ablate", nargs="*", metavar="STAGE",
                    help="split these cute stages' cost over cuBLAS into QuACK's plain GEMM, its GEMM + C "
                         "and the epilogue, at each stage's own config (none: the layer stages)")

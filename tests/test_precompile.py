@@ -26,9 +26,9 @@ from codatrain.kernels.cache import (
     MANIFEST,
     KernelCacheError,
     KernelShapes,
-    _compile_env,
     cache_problems,
     cache_stamp,
+    compile_env,
     ensure_cache,
     read_manifest,
 )
@@ -81,7 +81,7 @@ def fake_job(cache_dir: Path, shapes: KernelShapes) -> dict:
     (tests/fake_job.py, in a compile process's environment): {"loaded", "compiled", "names"}."""
     job = subprocess.run(
         [sys.executable, str(REPO / "tests" / "fake_job.py"), json.dumps(dataclasses.asdict(shapes))],
-        env=_compile_env(cache_dir, HOPPER_SMS), capture_output=True, text=True, timeout=600,
+        env=compile_env(cache_dir, HOPPER_SMS), capture_output=True, text=True, timeout=600,
     )
     assert job.returncode == 0, job.stderr[-5000:]
     return json.loads(job.stdout.splitlines()[-1])
@@ -335,20 +335,22 @@ def test_every_gemm_keeps_four_k_tiles_in_flight(tmp_path, precision):
     """QuACK gives a GEMM's A/B pipeline the shared memory its epilogue leaves. The FP8 norm
     backward and dSwiGLU in 128×128 cooperative tiles were left 3 k-tiles (their C, TileLoad and
     outputs staged four deep): a latency-bound mainloop at 1.8–2.1× `_scaled_mm`, 1.2–1.7× in the
-    128×112 tiles that leave 4–5 (docs/benchmarks.md, "FP8 backward tiles"). Every GEMM a job
-    compiles, bf16 or FP8, keeps at least 4."""
-    overrides = CODA_KERNELS if precision == "bf16" else [*FP8_STAGES, "block.fp8_wgrad=true"]
-    shapes = shapes_of(overrides)
-    job = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "gemm_pipelines.py"), json.dumps(dataclasses.asdict(shapes))],
-        env=_compile_env(tmp_path, HOPPER_SMS), capture_output=True, text=True, timeout=900,
-    )
-    assert job.returncode == 0, job.stderr[-5000:]
-    pipelines = json.loads(job.stdout.splitlines()[-1])
-    kernels = {p["kernel"] for p in pipelines}
+    128×112 tiles that leave 4–5 (docs/benchmarks.md, "FP8 backward tiles"). Every GEMM the tiny
+    config's job builds, bf16 or FP8, keeps at least 4 (`scripts/kernel_report.py`, which also
+    counts each kernel's register spills in its SASS)."""
+    stages = CODA_KERNELS if precision == "bf16" else [*FP8_STAGES, "block.fp8_wgrad=true"]
+    overrides = ["model=tiny", *stages]
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "kernel_report.py"), *overrides,
+                           "--json", str(tmp_path / "report.json")],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    kernels = json.loads((tmp_path / "report.json").read_text())["kernels"]
+    names = {k["kernel"] for k in kernels}
     layer_gemms = ("fp8_rms_bwd", "fp8_dswiglu", "fp8_residual_rms") if precision == "fp8" else (
         "rms_bwd", "dswiglu", "rms_partial", "rstd_swiglu", "rstd_rope")
     for name in layer_gemms:
-        assert any(name in kernel for kernel in kernels), f"no {name} kernel among {sorted(kernels)}"
-    shallow = [p for p in pipelines if p["ab_stages"] < 4]
+        assert any(name in kernel for kernel in names), f"no {name} kernel among {sorted(names)}"
+    # Every kernel's SASS was found (its spills counted) and its pipeline is deep enough.
+    assert all(k["spill_stores"] is not None for k in kernels), kernels
+    shallow = [k for k in kernels if k["ab_stages"] < 4]
     assert not shallow, shallow

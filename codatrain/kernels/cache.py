@@ -209,7 +209,9 @@ def runtime_env(cache_dir: str | Path) -> dict[str, str]:
     }
 
 
-def _compile_env(cache_dir: Path, num_sms: int) -> dict[str, str]:
+def compile_env(cache_dir: Path, num_sms: int) -> dict[str, str]:
+    """The environment of a process that compiles kernels for Hopper into `cache_dir` without a GPU
+    (CuTeDSL reads it when first imported, so it is a new process's)."""
     env = dict(os.environ)
     env.update(runtime_env(cache_dir))
     env.update(
@@ -292,7 +294,7 @@ def _build(
         subprocess.Popen(
             [sys.executable, "-m", "codatrain.kernels.cute.compile_specs", "--shapes",
              json.dumps(dataclasses.asdict(shapes)), "--part", f"{part}/{jobs}", "--report", str(report)],
-            env=_compile_env(cache_dir, num_sms),
+            env=compile_env(cache_dir, num_sms),
         )
         for part, report in enumerate(reports)
     ]

@@ -510,7 +510,7 @@ def compile_specs(
 def _worker(argv: list[str]) -> None:
     """One compile process: compiles its share (`--part i/n`) of the kernel specs of `--shapes`
     and writes [[spec name, seconds], …] to `--report`. Started by `codatrain.kernels.cache`
-    with the environment of its `_compile_env`, which CuTeDSL read when it was first imported."""
+    with the environment of its `compile_env`, which CuTeDSL read when it was first imported."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", required=True)
     parser.add_argument("--part", required=True)
