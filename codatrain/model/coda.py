@@ -212,6 +212,7 @@ def _mlp_backward(
                     **_fp8_arg(f, layer, Operand.gate_up_grad, "dpreact_fp8")}
     dpreact, y, zdz = s.gemm_dswiglu(dx2_operand, dgrad_operand(w_down, w_down_scale), preact, **fp8_args)
     dw_down = s.wgrad(dx2_operand if wgrad_fp8 else dx2, y)
+    del y  # read by nothing else: not alive beside the gate/up dgrad's buffers (the step's peak)
     wq_gu = dgrad_operand(w_gu, w_gu_scale)
     # x1 feeds both the MLP norm and the residual path to x2, whose gradient the epilogue adds.
     if f is None:
