@@ -23,9 +23,8 @@ from pathlib import Path
 
 from hydra.errors import ConfigCompositionException
 
-from codatrain.config import load_config, validate
 from codatrain.kernels.cache import HOPPER_SMS, KernelShapes, compile_env
-from codatrain.train.plan import build_run_plan
+from codatrain.train.plan import target_plan
 
 # One SASS line per instruction; a spill is a store to or a load from local memory.
 _SPILL_STORE, _SPILL_LOAD = re.compile(r"\bSTL(\.\w+)*\s"), re.compile(r"\bLDL(\.\w+)*\s")
@@ -83,11 +82,8 @@ def main(argv: list[str]) -> int | str:
         print(json.dumps(compile_and_report(shapes, Path(os.environ["CUTE_DSL_DUMP_DIR"]))))
         return 0
 
-    overrides = args.overrides
-    if not any(o.split("=")[0].lstrip("+~") == "block" for o in overrides):
-        overrides = ["block=coda", *overrides]
     try:
-        plan = build_run_plan(validate(load_config(overrides)), None)  # the target: a Hopper GPU
+        plan = target_plan(args.overrides)
     except (ValueError, ConfigCompositionException) as error:
         return f"error: {error}"
     shapes = plan.kernel_shapes
@@ -109,7 +105,7 @@ def main(argv: list[str]) -> int | str:
         spilled = "?" if row["spill_stores"] is None else f"{row['spill_stores']}/{row['spill_loads']}"
         print(f"{name:<60} {tile:>12} {row['ab_stages']:>10} {spilled:>12}")
     if args.json:
-        args.json.write_text(json.dumps({"overrides": overrides, "kernels": report}, indent=1))
+        args.json.write_text(json.dumps({"overrides": args.overrides, "kernels": report}, indent=1))
     return 0
 
 

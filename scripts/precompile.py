@@ -20,9 +20,8 @@ import sys
 
 from hydra.errors import ConfigCompositionException
 
-from codatrain.config import load_config, validate
 from codatrain.kernels.cache import HOPPER_SMS, KernelCacheError, cache_problems, precompile
-from codatrain.train.plan import build_run_plan
+from codatrain.train.plan import target_plan
 
 
 def main(argv: list[str]) -> int | str:
@@ -35,15 +34,12 @@ def main(argv: list[str]) -> int | str:
     parser.add_argument("--check", action="store_true", help="only check the cache")
     args = parser.parse_intermixed_args(argv)
 
-    overrides = args.overrides
-    if not any(o.split("=")[0].lstrip("+~") == "block" for o in overrides):
-        overrides = ["block=coda", *overrides]
     try:
-        run = validate(load_config(overrides))
-        # The training job's plan, for the target: a Hopper GPU with the cuda extras (device None).
-        plan = build_run_plan(run, None)
+        # The training job's plan, for the target: a Hopper GPU with the cuda extras.
+        plan = target_plan(args.overrides)
     except (ValueError, ConfigCompositionException) as error:
         return f"error: {error}"
+    run = plan.run
     if run.kernels.cache_dir is None:
         return "error: say where the kernels go: kernels.cache_dir=<dir> (the training job takes the same)"
     print("\n".join(plan.header()))

@@ -1,9 +1,15 @@
-"""scripts/kernel_report.py's spill count on SASS lines as CuTeDSL's nvdisasm writes them (the
-compile itself runs in test_precompile.py::test_every_gemm_keeps_four_k_tiles_in_flight)."""
+"""The CPU reports on the cute stages: scripts/kernel_report.py's spill count on SASS lines as
+CuTeDSL's nvdisasm writes them (its compile runs in
+test_precompile.py::test_every_gemm_keeps_four_k_tiles_in_flight), and scripts/memory_report.py's
+count of a micro-step's live tensors."""
 
+import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
@@ -32,3 +38,20 @@ def test_a_block_without_stages_is_refused_by_name():
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "kernel_report.py"), "block=eager"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "runs no CuTeDSL GEMM stages" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not all(importlib.util.find_spec(name) for name in ("cutlass", "quack", "triton")),
+                    reason="needs the cuda extras (nvidia-cutlass-dsl, quack-kernels) and triton")
+def test_memory_report_counts_the_tensors_alive_at_the_peak(tmp_path):
+    """The tiny config's micro-step (4 layers, 16 × 128 tokens, F 384): the tensors listed alive at
+    the peak add up to it, and among them are what the backward must hold, each layer's gate/up
+    pre-activation (M × 2F in bf16, saved by F2)."""
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "memory_report.py"), "model=tiny",
+                           "--json", str(tmp_path / "report.json")],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert sum(entry["bytes"] for entry in report["alive"]) == report["peak_bytes"] > 0
+    preacts = [e for e in report["alive"] if "gemm_rstd_swiglu" in e["made_by"] and e["shape"] == "2048×768"]
+    assert len(preacts) == 4 and all(e["bytes"] == 2048 * 768 * 2 for e in preacts), report["alive"][:10]

@@ -382,7 +382,9 @@ class ReferenceStages(StageBackend):
         return dx, xr * g, _tile_sums(dn * xr, self.tile_m, dim=0)
 
     def gemm_dswiglu(self, dout: torch.Tensor, weight: torch.Tensor, preact: torch.Tensor, *,
-                     dpreact_fp8: QuantizeTo | None = None, y_fp8: QuantizeTo | None = None) -> DSwigluOut:
+                     dpreact_fp8: QuantizeTo | None = None, y_fp8: QuantizeTo | None = None,
+                     reuse_preact: bool = False) -> DSwigluOut:
+        del reuse_preact  # the reference's FP8 copies are new tensors of the quantize rule's
         st = stat_dtype(preact.dtype)
         dy = _mm(dout, weight).to(st)
         pre = preact.to(st)

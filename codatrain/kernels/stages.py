@@ -517,7 +517,8 @@ class StageBackend(ABC):
 
     @abstractmethod
     def gemm_dswiglu(self, dout: torch.Tensor, weight: torch.Tensor, preact: torch.Tensor, *,
-                     dpreact_fp8: QuantizeTo | None = None, y_fp8: QuantizeTo | None = None) -> DSwigluOut:
+                     dpreact_fp8: QuantizeTo | None = None, y_fp8: QuantizeTo | None = None,
+                     reuse_preact: bool = False) -> DSwigluOut:
         """Down-projection dgrad with the SwiGLU backward in its epilogue, and the MLP norm's ZdZ.
 
         dout (M, d) gradient of the down-projection output (the residual-stream gradient);
@@ -526,7 +527,8 @@ class StageBackend(ABC):
         preact), y = silu(g)·u recomputed for dW_down = doutᵀ·y, and zdz = Σ_f (g·dg + u·du).
         dout and weight may be `Fp8Tensor`s (outputs in preact's dtype); dpreact_fp8 and y_fp8
         write dpreact and y as `Fp8Tensor`s (zdz from the unrounded values). The recomputed y
-        takes the scale the forward's y had.
+        takes the scale the forward's y had. `reuse_preact`: the caller reads preact no more, and
+        its memory may hold dpreact's FP8 copies (a backend that keeps no such copies ignores it).
         """
 
     @abstractmethod

@@ -210,7 +210,9 @@ def _mlp_backward(
         fp8_args = {"y_fp8": QuantizeTo(f.recipe.format_of(Operand.down_in), y_scale, transposed=True,
                                         rows=False),
                     **_fp8_arg(f, layer, Operand.gate_up_grad, "dpreact_fp8")}
-    dpreact, y, zdz = s.gemm_dswiglu(dx2_operand, dgrad_operand(w_down, w_down_scale), preact, **fp8_args)
+    # preact is read here for the last time: its memory may hold dpreact's FP8 copies.
+    dpreact, y, zdz = s.gemm_dswiglu(dx2_operand, dgrad_operand(w_down, w_down_scale), preact, **fp8_args,
+                                     reuse_preact=True)
     dw_down = s.wgrad(dx2_operand if wgrad_fp8 else dx2, y)
     del y  # read by nothing else: not alive beside the gate/up dgrad's buffers (the step's peak)
     wq_gu = dgrad_operand(w_gu, w_gu_scale)

@@ -13,7 +13,15 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from codatrain.config import AUTO_REPLICATE, BlockConfig, ParallelConfig, Precision, RunConfig
+from codatrain.config import (
+    AUTO_REPLICATE,
+    BlockConfig,
+    ParallelConfig,
+    Precision,
+    RunConfig,
+    load_config,
+    validate,
+)
 from codatrain.data.config import DataConfig
 from codatrain.kernels.cache import KernelShapes
 from codatrain.kernels.fp8 import GRAD_FORMATS, Fp8Recipe
@@ -176,3 +184,13 @@ def fp8_kernel_shapes(block: BlockConfig, fp8: Fp8Recipe | None, cute_stages: bo
         return {}
     return {"precision": str(block.precision), "fp8_grad_format": str(block.fp8_grad_format),
             "fp8_wgrad": fp8.wgrad_fp8, "fp8_fast_accum": fp8.fast_accum}
+
+
+def target_plan(overrides: list[str]) -> RunPlan:
+    """The plan, for the precompile target (an sm_90 GPU, not touched), of the run config that
+    scripts/train.py's `overrides` give, with block=coda unless they name a block (the scripts that
+    build or inspect the CuTeDSL kernels without a GPU). Raises ValueError or hydra's
+    ConfigCompositionException naming a bad key."""
+    if not any(o.split("=")[0].lstrip("+~") == "block" for o in overrides):
+        overrides = ["block=coda", *overrides]
+    return build_run_plan(validate(load_config(overrides)), None)

@@ -408,7 +408,8 @@ class CuteStages(StageBackend):
         return RmsBwdFp8Out(dx, _maybe_quantize(dx, dx_fp8), quantize_to(n, n_fp8), dgamma_partials)
 
     def gemm_dswiglu(self, dout: torch.Tensor, weight: torch.Tensor, preact: torch.Tensor, *,
-                     dpreact_fp8: QuantizeTo | None = None, y_fp8: QuantizeTo | None = None) -> DSwigluOut:
+                     dpreact_fp8: QuantizeTo | None = None, y_fp8: QuantizeTo | None = None,
+                     reuse_preact: bool = False) -> DSwigluOut:
         m, f2 = preact.shape
         out = DSwigluOut(empty(m, f2, like=preact), empty(m, f2 // 2, like=preact),
                          empty(m, like=preact, dtype=STAT))
@@ -420,13 +421,16 @@ class CuteStages(StageBackend):
         else:
             _check_activations("gemm_dswiglu", dout, weight, preact)
             gemm_bwd_stages.gemm_dswiglu(dout, weight, preact, *out)
-        # Quantized one at a time, each 16-bit tensor dropped once its FP8 copy exists, the smaller
-        # FP8 copy first: at 8B widths dpreact is 0.9 GiB in bf16 (as much again in FP8, two
-        # orientations), y half that (its transposed FP8 copy a quarter).
+        # Quantized one at a time, each 16-bit tensor dropped once its FP8 copy exists: at 8B widths
+        # dpreact is 0.9 GiB in bf16 (as much again in FP8, two orientations), y half that (its
+        # transposed FP8 copy a quarter). When preact's memory may hold dpreact's copies, dpreact
+        # goes first (it then needs no new memory); else y, the smaller copy.
         dpreact, y, zdz = out
         del out
+        if dpreact_fp8 is not None and reuse_preact:
+            dpreact = quantize_to(dpreact, dpreact_fp8, into=preact)
         y = _maybe_quantize(y, y_fp8)
-        return DSwigluOut(_maybe_quantize(dpreact, dpreact_fp8), y, zdz)
+        return DSwigluOut(dpreact if reuse_preact else _maybe_quantize(dpreact, dpreact_fp8), y, zdz)
 
     def dgrad(self, dz: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if isinstance(dz, Fp8Tensor):

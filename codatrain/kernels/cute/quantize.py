@@ -270,9 +270,29 @@ def quantize_transpose_fp8(
     compiled(x, scale.reshape(1), out, out_t, tile_amax)
 
 
-def quantize_to(x: Tensor, to: QuantizeTo, dtype: torch.dtype | None = None) -> Fp8Tensor:
+def _fp8_buffers(shape: torch.Size, to: QuantizeTo, device: torch.device,
+                 into: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    """(rows, transposed) FP8 outputs of an (R, C) quantize pass as `to` asks (None: not asked),
+    in `into`'s memory when it holds them (the rows first, then the transposed copy on the next
+    byte, which must start on a 16-byte boundary, as the kernels' stores do), else new."""
+    r, c = shape
+    sizes = [r * c if to.rows or not to.transposed else 0, r * c if to.transposed else 0]
+    if (into is None or not into.is_contiguous() or into.numel() * into.element_size() < sum(sizes)
+            or sizes[0] % 16):
+        return (torch.empty(r, c, dtype=to.dtype, device=device) if sizes[0] else None,
+                torch.empty(c, r, dtype=to.dtype, device=device) if sizes[1] else None)
+    memory = into.view(-1).view(torch.uint8)
+    rows = memory[:sizes[0]].view(to.dtype).view(r, c) if sizes[0] else None
+    transposed = memory[sizes[0]:sizes[0] + sizes[1]].view(to.dtype).view(c, r) if sizes[1] else None
+    return rows, transposed
+
+
+def quantize_to(x: Tensor, to: QuantizeTo, dtype: torch.dtype | None = None, *,
+                into: Tensor | None = None) -> Fp8Tensor:
     """x (any shape, its last dim contiguous rows) as the `Fp8Tensor` `to` asks for, standing for
     `dtype` (default x's), with the amax of its values (`codatrain.kernels.fp8.quantize`'s rule).
+    `into`: a contiguous tensor nobody reads any more, whose memory holds the FP8 copies when it
+    is large enough (both orientations of a bf16 tensor's values fill exactly its bytes).
 
     A delayed scale is known before the pass, so the pass also yields the amax (its row or tile
     maxima); current scaling (`to.scale` None: weights, and a run's first step) reads x once more
@@ -284,16 +304,15 @@ def quantize_to(x: Tensor, to: QuantizeTo, dtype: torch.dtype | None = None) -> 
     amax = torch.linalg.vector_norm(rows, float("inf")).float() if current else None
     scale = scale_from_amax(amax, fp8_max(to.dtype), to.margin) if current else to.scale
     if to.transposed:
-        out_t = torch.empty(rows.shape[1], rows.shape[0], dtype=to.dtype, device=x.device)
-        out = torch.empty(rows.shape, dtype=to.dtype, device=x.device) if to.rows else None
+        out, out_t = _fp8_buffers(rows.shape, to, x.device, into)
         tile_amax = torch.empty(transpose_tiles(*rows.shape), dtype=torch.float32, device=x.device)
         quantize_transpose_fp8(rows, scale, out, out_t, tile_amax)
         partial_amax = tile_amax
         if out is None:
             out = out_t.t()  # the operand's values in its own shape, read only through data_t
     else:
-        out = torch.empty(rows.shape, dtype=to.dtype, device=x.device)
-        out_t, partial_amax = None, torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
+        out, out_t = _fp8_buffers(rows.shape, to, x.device, into)
+        partial_amax = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
         quantize_fp8(rows, scale, out, partial_amax)
     return Fp8Tensor(out.view(x.shape), scale, dtype or x.dtype, amax if current else partial_amax.amax(),
                      out_t)
