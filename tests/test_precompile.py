@@ -330,25 +330,23 @@ def test_precompile_fp8_for_sm90a(tmp_path):
     not all(importlib.util.find_spec(name) for name in CUDA_EXTRAS),
     reason="needs the cuda extras (nvidia-cutlass-dsl, quack-kernels, flash-attn-4) and triton",
 )
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_every_gemm_keeps_four_k_tiles_in_flight(tmp_path, precision):
+def test_every_gemm_keeps_four_k_tiles_in_flight(tmp_path):
     """QuACK gives a GEMM's A/B pipeline the shared memory its epilogue leaves. The FP8 norm
     backward and dSwiGLU in 128×128 cooperative tiles were left 3 k-tiles (their C, TileLoad and
     outputs staged four deep): a latency-bound mainloop at 1.8–2.1× `_scaled_mm`, 1.2–1.7× in the
     128×112 tiles that leave 4–5 (docs/benchmarks.md, "FP8 backward tiles"). Every GEMM the tiny
-    config's job builds, bf16 or FP8, keeps at least 4 (`scripts/kernel_report.py`, which also
-    counts each kernel's register spills in its SASS)."""
-    stages = CODA_KERNELS if precision == "bf16" else [*FP8_STAGES, "block.fp8_wgrad=true"]
-    overrides = ["model=tiny", *stages]
+    config's FP8 job builds (the FP8 layer stages, the bf16 LM head's) keeps at least 4
+    (`scripts/kernel_report.py`, which also counts each kernel's register spills in its SASS; the
+    bf16 layer stages keep 4–6, `python scripts/kernel_report.py model=tiny`, not run here to keep
+    CI short)."""
+    overrides = ["model=tiny", *FP8_STAGES, "block.fp8_wgrad=true"]
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "kernel_report.py"), *overrides,
                            "--json", str(tmp_path / "report.json")],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-5000:]
     kernels = json.loads((tmp_path / "report.json").read_text())["kernels"]
     names = {k["kernel"] for k in kernels}
-    layer_gemms = ("fp8_rms_bwd", "fp8_dswiglu", "fp8_residual_rms") if precision == "fp8" else (
-        "rms_bwd", "dswiglu", "rms_partial", "rstd_swiglu", "rstd_rope")
-    for name in layer_gemms:
+    for name in ("fp8_rms_bwd", "fp8_dswiglu", "fp8_residual_rms", "rstd_lse"):
         assert any(name in kernel for kernel in names), f"no {name} kernel among {sorted(names)}"
     # Every kernel's SASS was found (its spills counted) and its pipeline is deep enough.
     assert all(k["spill_stores"] is not None for k in kernels), kernels
