@@ -428,9 +428,9 @@ class CuteStages(StageBackend):
         dpreact, y, zdz = out
         del out
         if dpreact_fp8 is not None and reuse_preact:
-            dpreact = quantize_to(dpreact, dpreact_fp8, into=preact)
+            dpreact, dpreact_fp8 = quantize_to(dpreact, dpreact_fp8, into=preact), None
         y = _maybe_quantize(y, y_fp8)
-        return DSwigluOut(dpreact if reuse_preact else _maybe_quantize(dpreact, dpreact_fp8), y, zdz)
+        return DSwigluOut(_maybe_quantize(dpreact, dpreact_fp8), y, zdz)
 
     def dgrad(self, dz: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if isinstance(dz, Fp8Tensor):
