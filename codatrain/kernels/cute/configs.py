@@ -41,10 +41,11 @@ _COOPERATIVE_128x112 = sm90_config(128, 112, pingpong=False, cluster_m=2, cluste
 
 _CONFIGS: dict[str, GemmConfig] = {
     # forward (gemm_stages.py)
-    "residual_rms": _PINGPONG_128x192,  # F3 down-proj (K = F > N)
+    # F3 down-proj (K = F > N): 192×128 (8B widths 1.059× cuBLAS against 128×192's 1.198×; 1B
+    # 1.158× against 1.149×; docs/benchmarks.md, "session 12").
+    "residual_rms": _PINGPONG_192x128,
     # F1 out-proj (K = attention width ≤ N = d): its epilogue stores two M × N tensors behind a
-    # short mainloop, which 128×128 tiles hide better (docs/benchmarks.md), while F3's long
-    # mainloop runs best in 128×192.
+    # short mainloop, which 128×128 tiles hide better (docs/benchmarks.md).
     "residual_rms_short_k": _PINGPONG_128x128,
     "rstd_swiglu": _PINGPONG_192x128,  # F2 gate/up
     "rstd_rope": _PINGPONG_192x128,  # F4 QKV
