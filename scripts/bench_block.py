@@ -31,7 +31,10 @@ Llama block complete the table. Times are medians of many runs, all measured in 
 
 Section `qknorm` times F4 with Qwen3's QK-norm (`gemm_rstd_qknorm_rope`) against F4 without it and
 the QKV GEMM alone (the issue's target: ≤ 1.05 × the plain QKV stage), and its backward against the
-RoPE backward; both against the reference stages (eager PyTorch).
+RoPE backward; both against the reference stages (eager PyTorch). On the cute backend it also times
+the QK-norm GEMM kernel called without the backend around it (operands prepared once), and prints
+each call's host time beside its GPU time: a call whose host time passes its GPU time makes the
+GPU wait, in a training step as here.
 """
 
 from __future__ import annotations
@@ -175,25 +178,58 @@ def stage_rows(s: StageBackend, ref: StageBackend, x: Inputs) -> list[Row]:
     return rows
 
 
+def host_ms(fn: Callable[[], object], device: torch.device, iters: int = 20) -> float:
+    """The host's time per call of `fn`, calls enqueued back to back (the GPU runs behind)."""
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    ms = (time.perf_counter() - start) / iters * 1e3
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return ms
+
+
+def qknorm_kernel_alone(x: Inputs, weights: dict[str, torch.Tensor], fwd: object) -> Callable[[], None]:
+    """The cute QK-norm GEMM kernel on operands prepared once: without the backend's per-call work
+    (its column norm-weight vector, output allocations, checks)."""
+    from codatrain.kernels.cute import gemm_stages
+    from codatrain.kernels.cute.backend import column_norm_weight
+
+    c, n = x.cfg, x.w_qkv.shape[0]
+    rope_heads = x.rope["rope_heads"]
+    norm_weight = column_norm_weight(weights["q_weight"], weights["k_weight"], c.n_heads, rope_heads, n)
+    args = (x.h, x.w_qkv, x.rstd, x.positions, None, norm_weight, torch.empty_like(fwd.qkv),
+            torch.empty_like(fwd.z), c.head_dim, rope_heads, EPS, *gemm_stages.rope_args(x.rope["rope"]))
+    return lambda: gemm_stages.gemm_rstd_qknorm_rope(*args)
+
+
 def qknorm_fns(s: StageBackend, ref: StageBackend, x: Inputs) -> dict[str, dict[str, Callable]]:
     """The QK-norm stages and what they compare with, forward and backward, at `x`'s widths."""
     c, device = x.cfg, x.h.device
     weights = {key: (torch.rand(c.head_dim, device=device) + 0.5).to(x.h.dtype)
                for key in ("q_weight", "k_weight")}
     norm = {"q_heads": c.n_heads, "eps": EPS, **weights}
-    z = torch.randn(x.m, (c.n_heads + c.n_kv_heads) * c.head_dim, device=device).to(x.h.dtype)
-    fwd_args, bwd_args = (x.h, x.w_qkv, x.rstd, x.positions), (x.dqkv, x.qkv, z, x.positions)
+    fwd_args = (x.h, x.w_qkv, x.rstd, x.positions)
+    # Each backward reads its own forward's z (the backends save it in different layouts).
+    fwd, ref_fwd = (b.gemm_rstd_qknorm_rope(*fwd_args, **x.rope, **norm) for b in (s, ref))
+    bwd_args, ref_bwd_args = ((x.dqkv, out.qkv, out.z, x.positions) for out in (fwd, ref_fwd))
+    cute = s.name == "cute"
+    kernel_alone = {"F4 QK-norm kernel alone": qknorm_kernel_alone(x, weights, fwd)} if cute else {}
     return {
         "forward": {
             "QKV GEMM (cuBLAS)": lambda: torch.mm(x.h, x.w_qkv.t()),
             "F4 ·r +RoPE": lambda: s.gemm_rstd_rope(*fwd_args, **x.rope),
             "F4 ·r +QK-norm +RoPE": lambda: s.gemm_rstd_qknorm_rope(*fwd_args, **x.rope, **norm),
+            **kernel_alone,
             "reference F4 +QK-norm": lambda: ref.gemm_rstd_qknorm_rope(*fwd_args, **x.rope, **norm),
         },
         "backward": {
             "RoPE bwd + ZdZ": lambda: s.rope_bwd(x.dqkv, x.qkv, x.positions, **x.rope),
             "QK-norm + RoPE bwd + ZdZ": lambda: s.qknorm_rope_bwd(*bwd_args, **x.rope, **norm),
-            "reference QK-norm + RoPE bwd": lambda: ref.qknorm_rope_bwd(*bwd_args, **x.rope, **norm),
+            "reference QK-norm + RoPE bwd": lambda: ref.qknorm_rope_bwd(*ref_bwd_args, **x.rope, **norm),
         },
     }
 
@@ -743,7 +779,7 @@ def main() -> None:
                    help="split these cute stages' cost over cuBLAS into QuACK's plain GEMM, its GEMM + C "
                         "and the epilogue, at each stage's own config (none: the layer stages)")
     p.add_argument("--sections", nargs="*", default=["stages", "layer", "fwd_bwd"],
-                   choices=["stages", "layer", "fwd_bwd", "head", "fp8", "quantize", "qknorm"],
+                   choices=["stages", "layer", "fwd_bwd", "head", "fp8", "quantize", "qknorm", "none"],
                    help="stages: every stage alone; layer: attention and the layer forward; "
                         "fwd_bwd: the layer forward + backward against eager, compile and the floor; "
                         "head: the training LM head forward + backward against its peers and floor; "
@@ -860,10 +896,12 @@ def main() -> None:
         for group, fns in qknorm_fns(s, ref, x).items():
             times = dict(zip(fns, median_ms(list(fns.values()), device, warmup=args.warmup, iters=args.iters),
                              strict=True))
-            results["qknorm"][group] = times
+            hosts = {name: host_ms(fn, device) for name, fn in fns.items()}
+            results["qknorm"][group] = {"ms": times, "host_ms": hosts}
             base = next(iter(times.values()))
             for name, ms in times.items():
-                print(f"{group:9s} {name:32s} {ms:9.3f} ms {ms / base:7.3f}x", flush=True)
+                print(f"{group:9s} {name:32s} {ms:9.3f} ms {ms / base:7.3f}x   host {hosts[name]:7.3f} ms",
+                      flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

@@ -167,8 +167,10 @@ class RopeBwdOut(NamedTuple):
 
 class QkNormOut(NamedTuple):
     qkv: torch.Tensor  # (M, N_qkv) activation dtype: attention's input, as `gemm_rstd_rope` writes it
-    z: torch.Tensor  # (M, rope_heads·head_dim) activation dtype: the q and k columns before the
-    # QK-norm (rstd ⊙ (h·Wᵀ) + bias), which its backward reads
+    z: torch.Tensor  # activation dtype: the pre-norm z = rstd ⊙ (h·Wᵀ) + bias that the backend's own
+    # `qknorm_rope_bwd` reads, in its layout: the reference's (M, rope_heads·head_dim), the q and k
+    # columns in column order; the cute backend's (2, M, N_qkv/2), the even and the odd column of
+    # every RoPE pair, v columns included, as its epilogue writes them
 
 
 class QkNormBwdOut(NamedTuple):
@@ -347,7 +349,7 @@ class StageBackend(ABC):
         RMS-normed and scaled by q_weight, each of the next rope_heads − q_heads (the k heads) by
         k_weight: n = z·(mean_j z_j² + eps)^-1/2 ⊙ γ over each head's head_dim columns, then RoPE.
         q_weight and k_weight (head_dim,) are in the CODA column order (RoPE pairs adjacent).
-        Returns qkv and the pre-norm z of the q and k columns. The stage backend's own default
+        Returns qkv and the pre-norm z (`QkNormOut`). The stage backend's own default
         refuses: a backend has the QK-norm when it overrides this and `qknorm_rope_bwd`.
         """
         raise NotImplementedError(f"stage backend {self.name!r} has no QK-norm epilogue")
@@ -459,8 +461,8 @@ class StageBackend(ABC):
         backward per head (with r the head's rstd, x̂ = z·r, dn the rotated-back gradient:
         dz = r·(dn⊙γ − x̂·mean_j(x̂_j·dn_j·γ_j))), and the attention norm's ZdZ.
 
-        dqkv (M, N_qkv); qkv the stage's output (its v columns are z's); z its pre-norm q and k
-        columns; the other arguments as in the forward.
+        dqkv (M, N_qkv); qkv the stage's output (its v columns are z's); z the forward's `QkNormOut.z`
+        (this backend's layout); the other arguments as in the forward.
         """
         raise NotImplementedError(f"stage backend {self.name!r} has no QK-norm epilogue")
 

@@ -55,6 +55,18 @@ def qknorm_kwargs(shape: Shape, bias: torch.Tensor | None) -> dict:
     return kwargs if bias is None else {**kwargs, "bias": bias}
 
 
+def z_columns(z_pairs: torch.Tensor) -> torch.Tensor:
+    """The cute forward's z (its even and odd column planes, `QkNormOut`) in column order, (M, N)."""
+    return torch.stack((z_pairs[0], z_pairs[1]), dim=-1).flatten(1)
+
+
+def z_pairs_of(z: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+    """The cute backward's z from the reference's: the q and k columns `z`, the v columns qkv's
+    (the norm passes them), as the two column planes the cute forward writes."""
+    full = torch.cat((z, qkv[:, z.shape[1]:]), dim=1)
+    return full.view(full.shape[0], -1, 2).permute(2, 0, 1).contiguous()
+
+
 def reference_both(ref, method: str, args: tuple, kwargs: dict) -> tuple:
     """The reference stage on the bf16 inputs and on their fp32 upcasts (the norm weights and the
     bias too)."""
@@ -68,7 +80,7 @@ def reference_both(ref, method: str, args: tuple, kwargs: dict) -> tuple:
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
 def test_gemm_rstd_qknorm_rope(backends, shape, use_compile, with_bias):
     """qkv (the q and k heads normed, weighted and rotated, the v heads only biased) and the
-    pre-norm z of the q and k columns, in column order."""
+    pre-norm z of every column, as the two column planes the backward reads."""
     cute, ref = backends
     args = (randn(shape.tokens, shape.dim), randn(shape.qkv_dim, shape.dim, scale=shape.dim**-0.5),
             rstd_of(shape.tokens), positions(shape))
@@ -76,9 +88,12 @@ def test_gemm_rstd_qknorm_rope(backends, shape, use_compile, with_bias):
     out = staged(cute.gemm_rstd_qknorm_rope, use_compile)(*args, **kwargs)
     bf16, fp32 = reference_both(ref, "gemm_rstd_qknorm_rope", args, kwargs)
     check("qkv", out.qkv, bf16.qkv, fp32.qkv)
-    check("z", out.z, bf16.z, fp32.z)
     rope_cols = (shape.n_heads + shape.n_kv_heads) * shape.head_dim
-    assert out.z.shape == (shape.tokens, rope_cols) and out.z.is_contiguous()
+    assert out.z.shape == (2, shape.tokens, shape.qkv_dim // 2) and out.z.is_contiguous()
+    z = z_columns(out.z)
+    check("z", z[:, :rope_cols], bf16.z, fp32.z)
+    # The v columns' z is what the norm and RoPE (angle 0) pass to qkv, bitwise.
+    assert torch.equal(z[:, rope_cols:], out.qkv[:, rope_cols:])
 
 
 def test_gemm_rstd_qknorm_rope_at_a_tiny_scale(backends, use_compile):
@@ -103,7 +118,8 @@ def test_qknorm_rope_bwd(backends, shape, use_compile, with_bias):
     args = (randn(shape.tokens, shape.qkv_dim), randn(shape.tokens, shape.qkv_dim),
             randn(shape.tokens, rope_cols), positions(shape))
     kwargs = qknorm_kwargs(shape, randn(shape.qkv_dim) if with_bias else None)
-    out = staged(cute.qknorm_rope_bwd, use_compile)(*args, **kwargs)
+    dqkv, qkv, z, pos = args
+    out = staged(cute.qknorm_rope_bwd, use_compile)(dqkv, qkv, z_pairs_of(z, qkv), pos, **kwargs)
     bf16, fp32 = reference_both(ref, "qknorm_rope_bwd", args, kwargs)
     for field in ("dz", "zdz", "dq_weight", "dk_weight"):
         check(field, getattr(out, field), getattr(bf16, field), getattr(fp32, field))
@@ -119,8 +135,9 @@ def test_qknorm_rope_bwd_of_the_forward(backends, shape, use_compile):
     kwargs = qknorm_kwargs(shape, None)
     fwd = staged(cute.gemm_rstd_qknorm_rope, use_compile)(h, w, r, positions(shape), **kwargs)
     dqkv = randn(shape.tokens, shape.qkv_dim)
-    args = (dqkv, fwd.qkv, fwd.z, positions(shape))
-    out = staged(cute.qknorm_rope_bwd, use_compile)(*args, **kwargs)
+    out = staged(cute.qknorm_rope_bwd, use_compile)(dqkv, fwd.qkv, fwd.z, positions(shape), **kwargs)
+    rope_cols = (shape.n_heads + shape.n_kv_heads) * shape.head_dim
+    args = (dqkv, fwd.qkv, z_columns(fwd.z)[:, :rope_cols].contiguous(), positions(shape))
     bf16, fp32 = reference_both(ref, "qknorm_rope_bwd", args, kwargs)
     for field in ("dz", "zdz", "dq_weight", "dk_weight"):
         check(field, getattr(out, field), getattr(bf16, field), getattr(fp32, field))

@@ -83,7 +83,7 @@ def _maybe_quantize(x: torch.Tensor, to: QuantizeTo | None) -> torch.Tensor | Fp
     return x if to is None else quantize_to(x, to)
 
 
-def _column_norm_weight(q_weight: torch.Tensor, k_weight: torch.Tensor, q_heads: int, rope_heads: int,
+def column_norm_weight(q_weight: torch.Tensor, k_weight: torch.Tensor, q_heads: int, rope_heads: int,
                         n: int) -> torch.Tensor:
     """fp32 (n,): the QK-norm weight of each QKV column, q_weight on the q heads, k_weight on the k
     heads, 0 on the v columns (which the norm passes through)."""
@@ -234,15 +234,14 @@ class CuteStages(StageBackend):
         _check_activations("gemm_rstd_qknorm_rope", h, weight, q_weight, k_weight,
                            *([] if bias is None else [bias]))
         m, n = h.shape[0], weight.shape[0]
-        rope_cols = rope_heads * head_dim
         qkv, z_pairs = empty(m, n, like=h), empty(2, m, n // 2, like=h)
         gemm_stages.gemm_rstd_qknorm_rope(
-            h, weight, rstd, positions, bias, _column_norm_weight(q_weight, k_weight, q_heads, rope_heads, n),
+            h, weight, rstd, positions, bias, column_norm_weight(q_weight, k_weight, q_heads, rope_heads, n),
             qkv, z_pairs, head_dim, rope_heads, eps, *gemm_stages.rope_args(rope),
         )
-        # The stage's z is in column order: the even and odd lanes of the q and k pairs, interleaved.
-        z = torch.stack((z_pairs[0, :, : rope_cols // 2], z_pairs[1, :, : rope_cols // 2]), dim=-1)
-        return QkNormOut(qkv, z.view(m, rope_cols))
+        # z as the epilogue wrote it (its even and odd column planes), which the backward reads as
+        # it is: putting it in column order would be one more pass over an M × N tensor.
+        return QkNormOut(qkv, z_pairs)
 
     def gemm_rstd(self, h: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
         _check_activations("gemm_rstd", h, weight)
@@ -333,11 +332,14 @@ class CuteStages(StageBackend):
         _check_activations("qknorm_rope_bwd", dqkv, qkv, z, q_weight, k_weight,
                            *([] if bias is None else [bias]))
         m, n = dqkv.shape
+        if z.shape != (2, m, n // 2):
+            raise ValueError("cute qknorm_rope_bwd: z must be the cute forward's column planes, (2, M, N/2) "
+                             f"= (2, {m}, {n // 2}), got {tuple(z.shape)}")
         out = QkNormBwdOut(empty(m, n, like=dqkv), empty(m, like=dqkv, dtype=STAT), None, None)
         partials = empty(rowwise.qknorm_blocks(m), n, like=dqkv, dtype=STAT)
         rowwise.qknorm_rope_bwd(
-            dqkv.contiguous(), qkv.contiguous(), z.contiguous(), positions,
-            _column_norm_weight(q_weight, k_weight, q_heads, rope_heads, n), bias, out.dz, out.zdz, partials,
+            dqkv.contiguous(), z.contiguous(), positions,
+            column_norm_weight(q_weight, k_weight, q_heads, rope_heads, n), bias, out.dz, out.zdz, partials,
             head_dim, rope_heads, eps, *gemm_stages.rope_args(rope),
         )
         # The per-column sums of the CTAs' partials, then over the q heads and over the k heads.

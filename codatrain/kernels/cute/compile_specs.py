@@ -277,8 +277,7 @@ def backward_kernels(s: KernelShapes) -> list[KernelSpec]:
         # rope_bwd and row_dot launch the same row-wise kernel, with and without the rotation.
         KernelSpec(
             "QK-norm + RoPE backward + ZdZ",
-            lambda: rowwise.compile_qknorm_rope_bwd(_cute(ACT), _qkv_dim(s), s.head_dim,
-                                                    (s.n_heads + s.n_kv_heads) * s.head_dim, s.qkv_bias),
+            lambda: rowwise.compile_qknorm_rope_bwd(_cute(ACT), _qkv_dim(s), s.head_dim, s.qkv_bias),
         ) if s.qk_norm else KernelSpec(
             "RoPE backward + ZdZ",
             lambda: rowwise.compile_row_dot(_cute(ACT), _qkv_dim(s), True, s.qkv_bias),

@@ -198,21 +198,23 @@ class QkNormRopeBwdKernel:
     """The backward of F4's QK-norm + RoPE epilogue (`gemm_stages.gemm_rstd_qknorm_rope`), row by row.
 
     Per row: dn = dqkv rotated back by −angle (as `RowDotKernel`; v columns have frequency 0, an
-    exact identity). Each q and k head (head_dim columns, its pre-norm z read from mZ) has
+    exact identity). z, every column's pre-norm value, is read from the forward's two planes as it
+    wrote them (mZe the even, mZo the odd column of each pair; the v columns' z is their qkv).
+    Each q and k head (head_dim columns) has
     r = (mean z² + eps)^-1/2, x̂ = z·r and dz = r·(dn⊙γ − x̂·mean(x̂·dn⊙γ)); each v column dz = dn
     (γ 0 there, passthrough 1: the head terms vanish). zdz[m] = Σ_n (z − bias)·dz over all
-    columns, z of the v columns being qkv's. The norm weight's gradient Σ_m dn·x̂ per column is
+    columns. The norm weight's gradient Σ_m dn·x̂ per column is
     summed over the CTA's rows in registers and written to row `block` of mDgamma.
 
-    The row is tiled in 4-column vectors as `RowDotKernel` (`RowTiling`); the head_dim / 4 lanes
-    of a head are consecutive lanes of one warp (head_dim divides 128), so its sums are warp
-    shuffles within that lane group.
+    The row is tiled in 4-column vectors as `RowDotKernel` (`RowTiling`), each z plane in the
+    2-column vectors of the same pairs; the head_dim / 4 lanes of a head are consecutive lanes of
+    one warp (head_dim divides 128), so its sums are warp shuffles within that lane group.
     """
 
-    def __init__(self, dtype: type, n: int, head_dim: int, rope_cols: int, bias: bool) -> None:
+    def __init__(self, dtype: type, n: int, head_dim: int, bias: bool) -> None:
         t = RowTiling.of(n, 4, _QKNORM_MAX_THREADS)
-        assert t.vec == 4 and 128 % head_dim == 0 and rope_cols % head_dim == 0, "heads of whole lane groups"
-        self.dtype, self.n, self.head_dim, self.rope_cols, self.bias = dtype, n, head_dim, rope_cols, bias
+        assert t.vec == 4 and 128 % head_dim == 0 and n % head_dim == 0, "heads of whole lane groups"
+        self.dtype, self.n, self.head_dim, self.bias = dtype, n, head_dim, bias
         self.vec, self.num_threads, self.steps, self.tile_n = t.vec, t.num_threads, t.steps, t.tile_n
         self.head_lanes = head_dim // t.vec
 
@@ -220,8 +222,8 @@ class QkNormRopeBwdKernel:
     def __call__(
         self,
         mDqkv: cute.Tensor,
-        mQkv: cute.Tensor,
-        mZ: cute.Tensor,
+        mZe: cute.Tensor,
+        mZo: cute.Tensor,
         mPos: cute.Tensor,
         mFreq: cute.Tensor,
         mGamma: cute.Tensor,
@@ -233,7 +235,7 @@ class QkNormRopeBwdKernel:
         eps: Float32,
         stream: cuda.CUstream,
     ):
-        self.kernel(mDqkv, mQkv, mZ, mPos, mFreq, mGamma, mPass, mBias, mDz, mZdz, mDgamma, eps).launch(
+        self.kernel(mDqkv, mZe, mZo, mPos, mFreq, mGamma, mPass, mBias, mDz, mZdz, mDgamma, eps).launch(
             grid=[mDgamma.shape[0], 1, 1], block=[self.num_threads, 1, 1], stream=stream
         )
 
@@ -241,8 +243,8 @@ class QkNormRopeBwdKernel:
     def kernel(
         self,
         mDqkv: cute.Tensor,
-        mQkv: cute.Tensor,
-        mZ: cute.Tensor,
+        mZe: cute.Tensor,
+        mZo: cute.Tensor,
         mPos: cute.Tensor,
         mFreq: cute.Tensor,
         mGamma: cute.Tensor,
@@ -266,6 +268,12 @@ class QkNormRopeBwdKernel:
         atom = get_copy_atom(self.dtype, self.vec)
         atom_f32 = get_copy_atom(Float32, self.vec)
         tCol = part.partition_S(cute.local_tile(cute.make_identity_tensor(self.n), tiler, (0,)))
+        # The z planes: pair p of vector v (columns 4v + 2p, 4v + 2p + 1) is element 2v + p of each.
+        half = const_expr(self.n // 2)
+        tiler_half = (self.tile_n // 2,)
+        part_half = tiled_copy_1d(self.dtype, self.num_threads, self.vec // 2).get_slice(tidx)
+        atom_half = get_copy_atom(self.dtype, self.vec // 2)
+        tColHalf = part_half.partition_S(cute.local_tile(cute.make_identity_tensor(half), tiler_half, (0,)))
 
         # The row-invariant columns: frequencies, norm weights, passthrough, bias.
         def load_f32(mVec: cute.Tensor) -> cute.Tensor:
@@ -299,17 +307,18 @@ class QkNormRopeBwdKernel:
                 tDr = cute.make_rmem_tensor_like(tDg)
                 tDr.fill(0)
                 copy_masked(atom, tDg, tDr, tCol, self.n, self.steps)
-                # z: the q and k columns from mZ, the v columns from qkv (the norm passed them).
-                tZg = part.partition_S(cute.local_tile(mZ[row, None], tiler, (0,)))
-                tVg = part.partition_S(cute.local_tile(mQkv[row, None], tiler, (0,)))
-                tZr = cute.make_rmem_tensor_like(tDg)
-                tZr.fill(0)
+                tZeg = part_half.partition_S(cute.local_tile(mZe[row, None], tiler_half, (0,)))
+                tZog = part_half.partition_S(cute.local_tile(mZo[row, None], tiler_half, (0,)))
+                tZer = cute.make_rmem_tensor_like(tZeg)
+                tZor = cute.make_rmem_tensor_like(tZog)
+                tZer.fill(0)
+                tZor.fill(0)
+                copy_masked(atom_half, tZeg, tZer, tColHalf, half, self.steps)
+                copy_masked(atom_half, tZog, tZor, tColHalf, half, self.steps)
                 for step in cutlass.range_constexpr(self.steps):
-                    if tCol[0, step] < self.rope_cols:
-                        cute.copy(atom, tZg[None, step], tZr[None, step])
-                    elif tCol[0, step] < self.n:
-                        cute.copy(atom, tVg[None, step], tZr[None, step])
-                tZf.store(tZr.load().to(Float32))
+                    for j in cutlass.range_constexpr(self.vec // 2):
+                        tZf[2 * j, step] = tZer[j, step].to(Float32)
+                        tZf[2 * j + 1, step] = tZor[j, step].to(Float32)
 
                 pos = mPos[row]
                 for step in cutlass.range_constexpr(self.steps):
@@ -357,15 +366,15 @@ class QkNormRopeBwdKernel:
 
 
 @jit_cache
-def compile_qknorm_rope_bwd(dtype: type, n: int, head_dim: int, rope_cols: int, bias: bool):
-    kernel = QkNormRopeBwdKernel(dtype, n, head_dim, rope_cols, bias)
+def compile_qknorm_rope_bwd(dtype: type, n: int, head_dim: int, bias: bool):
+    kernel = QkNormRopeBwdKernel(dtype, n, head_dim, bias)
     rows, blocks = cute.sym_int(), cute.sym_int()
     row_major = (rows, n)
     return cute.compile(
         kernel,
         make_fake_tensor(dtype, row_major, divisibility=kernel.vec),
-        make_fake_tensor(dtype, row_major, divisibility=kernel.vec),
-        make_fake_tensor(dtype, (rows, rope_cols), divisibility=kernel.vec),
+        make_fake_tensor(dtype, (rows, n // 2), divisibility=kernel.vec // 2),
+        make_fake_tensor(dtype, (rows, n // 2), divisibility=kernel.vec // 2),
         make_fake_tensor(Float32, (rows,)),
         make_fake_tensor(Float32, (n,), divisibility=kernel.vec),
         make_fake_tensor(Float32, (n,), divisibility=kernel.vec),
@@ -388,19 +397,19 @@ def qknorm_blocks(m: int) -> int:
 @cute_op("codatrain::cute_qknorm_rope_bwd", mutates_args=("dz", "zdz", "dgamma_partials"),
          device_types="cuda")
 def qknorm_rope_bwd(
-    dqkv: Tensor, qkv: Tensor, z: Tensor, positions: Tensor, norm_weight: Tensor, bias: Tensor | None,
+    dqkv: Tensor, z_pairs: Tensor, positions: Tensor, norm_weight: Tensor, bias: Tensor | None,
     dz: Tensor, zdz: Tensor, dgamma_partials: Tensor, head_dim: int, rope_heads: int, eps: float,
     rope_theta: float, rope_type: str, rope_factor: float, rope_low_freq_factor: float,
     rope_high_freq_factor: float, rope_original_max_positions: int,
 ) -> None:
     """dz, zdz (M,) fp32 and dgamma_partials (qknorm_blocks(M), N) fp32 of the QK-norm + RoPE
-    backward (`QkNormRopeBwdKernel`); dqkv, qkv and z (M, rope_heads·head_dim) contiguous;
-    norm_weight (N,) fp32 as the forward's; the rope_* arguments as in `gemm_stages.gemm_rstd_rope`."""
+    backward (`QkNormRopeBwdKernel`); dqkv contiguous, z_pairs (2, M, N/2) as the forward wrote it
+    (`gemm_stages.gemm_rstd_qknorm_rope`); norm_weight (N,) fp32 as the forward's; the rope_*
+    arguments as in `gemm_stages.gemm_rstd_rope`."""
     n, rope_cols = dqkv.shape[1], rope_heads * head_dim
-    compiled = compile_qknorm_rope_bwd(torch2cute_dtype_map[dqkv.dtype], n, head_dim, rope_cols,
-                                       bias is not None)
+    compiled = compile_qknorm_rope_bwd(torch2cute_dtype_map[dqkv.dtype], n, head_dim, bias is not None)
     freq = rope_freq(head_dim, rope_heads, n, dqkv.device, rope_theta, rope_type, rope_factor,
                      rope_low_freq_factor, rope_high_freq_factor, rope_original_max_positions)
     bias = None if bias is None else aligned16(bias)
-    compiled(dqkv, qkv, z, positions.to(torch.float32), freq, norm_weight,
+    compiled(dqkv, z_pairs[0], z_pairs[1], positions.to(torch.float32), freq, norm_weight,
              qknorm_passthrough(rope_cols, n, dqkv.device), bias, dz, zdz, dgamma_partials, eps)
