@@ -379,3 +379,35 @@ def test_the_backward_drops_y_before_the_gate_up_dgrad():
     model(tokens, targets).backward()
     # Each layer's MLP norm backward (gate/up dgrad) and attention norm backward (QKV dgrad).
     assert len(stages.y_alive) == 2 * cfg.n_layers and not any(stages.y_alive), stages.y_alive
+
+
+class HeadDxWatchingStages(ReferenceStages):
+    """The reference stages, noting at the last layer's dSwiGLU (the first in the backward) whether
+    the LM head's saved dx is alive apart from the gradient dSwiGLU is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head_dx: weakref.ref | None = None
+        self.second_copy: list[bool] = []
+
+    def lm_head_ce(self, *args, **kwargs):
+        out = super().lm_head_ce(*args, **kwargs)
+        self.head_dx = weakref.ref(out.dx)
+        return out
+
+    def gemm_dswiglu(self, dx, *args, **kwargs):
+        if not self.second_copy:
+            head_dx = self.head_dx()
+            self.second_copy.append(head_dx is not None and head_dx.data_ptr() != dx.data_ptr())
+        return super().gemm_dswiglu(dx, *args, **kwargs)
+
+
+def test_the_heads_dx_is_scaled_without_a_second_copy():
+    """The backward scales the head's saved dx by dloss in place: a scaled copy beside it (M × d)
+    would be alive through the last layer's MLP backward, where the step's peak memory is."""
+    cfg = CONFIGS["gqa2-L3"]
+    stages = HeadDxWatchingStages()
+    model = CodaLlama(cfg, ResolvedBlock("coda", "reference", "sdpa", stages, sdpa_attention))
+    tokens, targets = batch(cfg, 2, 16, ignore=False)
+    model(tokens, targets).backward()
+    assert stages.second_copy == [False]
