@@ -347,28 +347,17 @@ def test_a_width_the_cute_kernels_cannot_take_is_refused_at_construction():
         CodaLlama(cfg.replace(ffn_dim=104), cute)
 
 
-class LivenessStages(ReferenceStages):
-    """The reference stages, noting what the backward keeps alive: at every norm backward, whether
-    the y the last dSwiGLU returned still is; at the first dSwiGLU (the last layer's), whether the
-    LM head's saved dx is alive apart from the gradient that dSwiGLU is given."""
+class YWatchingStages(ReferenceStages):
+    """The reference stages, noting at every norm backward whether the y the last dSwiGLU returned
+    is still alive."""
 
     def __init__(self) -> None:
         super().__init__()
         self.y: weakref.ref | None = None
         self.y_alive: list[bool] = []
-        self.head_dx: weakref.ref | None = None
-        self.head_dx_copied: list[bool] = []
 
-    def lm_head_ce(self, *args, **kwargs):
-        out = super().lm_head_ce(*args, **kwargs)
-        self.head_dx = weakref.ref(out.dx)
-        return out
-
-    def gemm_dswiglu(self, dx, *args, **kwargs):
-        if not self.head_dx_copied:
-            head_dx = self.head_dx()
-            self.head_dx_copied.append(head_dx is not None and head_dx.data_ptr() != dx.data_ptr())
-        out = super().gemm_dswiglu(dx, *args, **kwargs)
+    def gemm_dswiglu(self, *args, **kwargs):
+        out = super().gemm_dswiglu(*args, **kwargs)
         self.y = weakref.ref(out.y)
         return out
 
@@ -378,27 +367,47 @@ class LivenessStages(ReferenceStages):
         return super().gemm_rms_bwd(*args, **kwargs)
 
 
-def watched_backward(cfg: LlamaConfig) -> LivenessStages:
-    """One loss and backward of the reference CODA model of `cfg` on `LivenessStages`."""
-    stages = LivenessStages()
-    model = CodaLlama(cfg, ResolvedBlock("coda", "reference", "sdpa", stages, sdpa_attention))
-    tokens, targets = batch(cfg, 2, 16, ignore=False)
-    model(tokens, targets).backward()
-    return stages
-
-
 def test_the_backward_drops_y_before_the_gate_up_dgrad():
     """y (M × F, recomputed by dSwiGLU) is read by dW_down alone, so it is gone before the gate/up
     dgrad, whose buffers are the backward's largest: 0.5 GiB less at llama3_1b 4×8192, where it
     made the step's peak (a fake-tensor count of the cute model's live tensors: 6.57 → 6.23 GiB
     above the parameters with two layers)."""
     cfg = CONFIGS["gqa2-L3"]
-    stages = watched_backward(cfg)
+    stages = YWatchingStages()
+    model = CodaLlama(cfg, ResolvedBlock("coda", "reference", "sdpa", stages, sdpa_attention))
+    tokens, targets = batch(cfg, 2, 16, ignore=False)
+    model(tokens, targets).backward()
     # Each layer's MLP norm backward (gate/up dgrad) and attention norm backward (QKV dgrad).
     assert len(stages.y_alive) == 2 * cfg.n_layers and not any(stages.y_alive), stages.y_alive
+
+
+class HeadDxWatchingStages(ReferenceStages):
+    """The reference stages, noting at the last layer's dSwiGLU (the first in the backward) whether
+    the LM head's saved dx is alive apart from the gradient dSwiGLU is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head_dx: weakref.ref | None = None
+        self.second_copy: list[bool] = []
+
+    def lm_head_ce(self, *args, **kwargs):
+        out = super().lm_head_ce(*args, **kwargs)
+        self.head_dx = weakref.ref(out.dx)
+        return out
+
+    def gemm_dswiglu(self, dx, *args, **kwargs):
+        if not self.second_copy:
+            head_dx = self.head_dx()
+            self.second_copy.append(head_dx is not None and head_dx.data_ptr() != dx.data_ptr())
+        return super().gemm_dswiglu(dx, *args, **kwargs)
 
 
 def test_the_heads_dx_is_scaled_without_a_second_copy():
     """The backward scales the head's saved dx by dloss in place: a scaled copy beside it (M × d)
     would be alive through the last layer's MLP backward, where the step's peak memory is."""
-    assert watched_backward(CONFIGS["gqa2-L3"]).head_dx_copied == [False]
+    cfg = CONFIGS["gqa2-L3"]
+    stages = HeadDxWatchingStages()
+    model = CodaLlama(cfg, ResolvedBlock("coda", "reference", "sdpa", stages, sdpa_attention))
+    tokens, targets = batch(cfg, 2, 16, ignore=False)
+    model(tokens, targets).backward()
+    assert stages.second_copy == [False]

@@ -360,3 +360,40 @@ def test_the_model_lets_dswiglu_reuse_preact():
         tokens, targets = batch(cfg, 2, 16, ignore=False)
         model(tokens, targets).backward()
     assert calls == [True] * (2 * cfg.n_layers), calls
+
+
+def test_the_heads_dx_reaches_dswiglu_with_its_rows_alone():
+    """The last layer's dSwiGLU reads the LM head's dx rows only: its token-contiguous FP8 copy,
+    which only dW_down reads, is asked for after dSwiGLU (from dx with the rows' scale, the same
+    FP8 values), so that it is not alive there, where FP8 CODA's step peaks at llama3_1b widths
+    (64 MiB at 4×8192, `scripts/memory_report.py`). The middle layers' dx comes from the QKV dgrad's
+    epilogue in both orientations at once."""
+    events: list[tuple] = []
+
+    class Ordering(ReferenceStages):
+        def quantize(self, x, to):
+            quantized = super().quantize(x, to)
+            events.append(("quantize", tuple(x.shape), to, quantized))
+            return quantized
+
+        def gemm_dswiglu(self, dout, *args, **kwargs):
+            events.append(("dswiglu", dout))
+            return super().gemm_dswiglu(dout, *args, **kwargs)
+
+    cfg = CONFIGS["gqa2-L3"]
+    model = CodaLlama(cfg, ResolvedBlock("coda", "reference", "sdpa", Ordering(), sdpa_attention),
+                      fp8=Fp8Recipe())
+    tokens, targets = batch(cfg, 2, 16, ignore=False)
+    loss = model(tokens, targets)
+    events.clear()
+    loss.backward()
+    first = next(i for i, event in enumerate(events) if event[0] == "dswiglu")
+    dout = events[first][1]
+    (head_dx,) = [e for e in events[:first] if e[0] == "quantize" and e[3] is dout]
+    assert not head_dx[2].transposed and head_dx[2].rows, head_dx[2]
+    second = next(i for i, event in enumerate(events) if i > first and event[0] == "dswiglu")
+    later = [e for e in events[first:second] if e[0] == "quantize" and e[1] == head_dx[1]
+             and e[2].dtype == head_dx[2].dtype]
+    assert len(later) == 1 and later[0][2].transposed and not later[0][2].rows, later
+    assert later[0][2].scale is dout.scale
+    assert torch.equal(later[0][3].data.view(torch.uint8), dout.data.view(torch.uint8))

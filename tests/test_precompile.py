@@ -305,8 +305,8 @@ def test_precompile_fp8_for_sm90a(tmp_path):
     forward and backward, and every quantize pass with its format and width, row-major or into both
     orientations."""
     # The second build loads all but a few kernels: one compile process is the quicker there.
-    builds = ((["block.fp8_wgrad=false"], 8, "2"), (["block.fp8_wgrad=true"], 6, "1"),
-              (["block.fp8_wgrad=true", "block.fp8_fast_accum=true"], 6, "2"))
+    builds = ((["block.fp8_wgrad=false"], 8, "2"), (["block.fp8_wgrad=true"], 8, "1"),
+              (["block.fp8_wgrad=true", "block.fp8_fast_accum=true"], 8, "2"))
     for extra, quantize_passes, jobs in builds:
         overrides = [*FP8_STAGES, *extra]
         proc = precompile_script("model=tiny", *overrides, f"kernels.cache_dir={tmp_path}", "--jobs", jobs)

@@ -188,10 +188,12 @@ def _mlp_forward(
 
 def _mlp_backward(
     s: StageBackend, saved: tuple[torch.Tensor | None, ...], dx2: torch.Tensor,
-    dx2_operand: torch.Tensor | Fp8Tensor, f: Fp8Step | None, layer: int,
+    dx2_operand: torch.Tensor | Fp8Tensor, f: Fp8Step | None, layer: int, *, dx2_rows_only: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Backward of `_mlp_forward` given dx2, the full gradient of x_out, and dx2_operand, the same
-    as the down-projection's GEMM operand (dx2 itself, or its FP8 copy).
+    as the down-projection's GEMM operand (dx2 itself, or its FP8 copy). `dx2_rows_only`: the FP8
+    copy was asked for without its token-contiguous orientation (`_head_dx_operand`), which the
+    down-projection's FP8 weight gradient then gets here, after dSwiGLU.
 
     Returns (do, dx_in, dW_o, dγ_mlp, dW_gu, dW_down).
     """
@@ -213,6 +215,11 @@ def _mlp_backward(
     # preact is read here for the last time: its memory may hold dpreact's FP8 copies.
     dpreact, y, zdz = s.gemm_dswiglu(dx2_operand, dgrad_operand(w_down, w_down_scale), preact, **fp8_args,
                                      reuse_preact=True)
+    if wgrad_fp8 and dx2_rows_only:
+        # dW_down reads dx2 token-contiguous: that copy is made now, from dx2 with its rows' scale
+        # (the same FP8 values), so that it was not alive beside dSwiGLU's buffers.
+        dx2_operand = s.quantize(dx2, QuantizeTo(f.recipe.format_of(Operand.down_grad), dx2_operand.scale,
+                                                 transposed=True, rows=False))
     dw_down = s.wgrad(dx2_operand if wgrad_fp8 else dx2, y)
     del y  # read by nothing else: not alive beside the gate/up dgrad's buffers (the step's peak)
     wq_gu = dgrad_operand(w_gu, w_gu_scale)
@@ -245,6 +252,17 @@ def _mlp_backward(
 
 
 _MLP_SAVED = 13  # number of tensors `_mlp_forward` hands to the backward
+
+
+def _head_mlp_backward(s: StageBackend, saved: tuple[torch.Tensor | None, ...], dx2: torch.Tensor,
+                       f: Fp8Step | None, layer: int) -> tuple[torch.Tensor, ...]:
+    """`_mlp_backward` of the last layer, given dx2 from the LM head. With FP8, dx2's copy for the
+    down-projection's dgrad (in dSwiGLU) holds its rows alone: its token-contiguous copy, which only
+    dW_down reads, is made after dSwiGLU, so that it is not alive there (the last layer's dSwiGLU,
+    beside the LM head's weight gradient, is where FP8 CODA's step peaks: 64 MiB at llama3_1b
+    4×8192; scripts/memory_report.py)."""
+    dx2_operand = _quantize(s, f, layer, Operand.down_grad, dx2, transposed=False)
+    return _mlp_backward(s, saved, dx2, dx2_operand, f, layer, dx2_rows_only=True)
 
 
 # ---- F4, the QKV GEMM with its epilogue, shared by the entry and the middle layers -------------
@@ -408,8 +426,7 @@ class _FinalLossFn(torch.autograd.Function):
         # In place: the saved dx would otherwise stay alive beside its scaled copy through the last
         # layer's MLP backward, where the step's peak memory is (M × d, 128 MiB at llama3_1b 4×8192).
         dx2.mul_(scale)
-        dx2_operand = _quantize(ctx.s, ctx.f, ctx.layer, Operand.down_grad, dx2)
-        mlp_grads = _mlp_backward(ctx.s, mlp_saved, dx2, dx2_operand, ctx.f, ctx.layer)
+        mlp_grads = _head_mlp_backward(ctx.s, mlp_saved, dx2, ctx.f, ctx.layer)
         return *mlp_grads, _scaled(dgamma, scale, gamma_dtype), dw_lm, None, None, None, None, None, None
 
 
@@ -446,8 +463,7 @@ class _FinalLogitsFn(torch.autograd.Function):
         zdz = s.row_dot(logits, dlogits)
         dx2, n2, dgamma = s.gemm_rms_bwd(dlogits, w_lm, x2, gamma_final, r2, zdz)
         dw_lm = s.wgrad(dlogits, n2)
-        dx2_operand = _quantize(s, ctx.f, ctx.layer, Operand.down_grad, dx2)
-        mlp_grads = _mlp_backward(s, mlp_saved, dx2, dx2_operand, ctx.f, ctx.layer)
+        mlp_grads = _head_mlp_backward(s, mlp_saved, dx2, ctx.f, ctx.layer)
         return *mlp_grads, _dgamma(dgamma, gamma_final), dw_lm, None, None, None, None
 
 

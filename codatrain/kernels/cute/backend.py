@@ -336,15 +336,12 @@ class CuteStages(StageBackend):
             raise ValueError("cute qknorm_rope_bwd: z must be the cute forward's column planes, (2, M, N/2) "
                              f"= (2, {m}, {n // 2}), got {tuple(z.shape)}")
         out = QkNormBwdOut(empty(m, n, like=dqkv), empty(m, like=dqkv, dtype=STAT), None, None)
-        partials = empty(rowwise.qknorm_blocks(m), n, like=dqkv, dtype=STAT)
+        partials = empty(rowwise.qknorm_blocks(m), rowwise.QKNORM_PARTIAL_COLS, like=dqkv, dtype=STAT)
         rowwise.qknorm_rope_bwd(
-            dqkv.contiguous(), z.contiguous(), positions,
-            column_norm_weight(q_weight, k_weight, q_heads, rope_heads, n), bias, out.dz, out.zdz, partials,
-            head_dim, rope_heads, eps, *gemm_stages.rope_args(rope),
+            dqkv.contiguous(), z.contiguous(), positions, q_weight.to(STAT), k_weight.to(STAT), bias, out.dz,
+            out.zdz, partials, head_dim, q_heads, rope_heads, eps, *gemm_stages.rope_args(rope),
         )
-        # The per-column sums of the CTAs' partials, then over the q heads and over the k heads.
-        dgamma = partials.sum(0)[: rope_heads * head_dim].view(rope_heads, head_dim)
-        return QkNormBwdOut(out.dz, out.zdz, dgamma[:q_heads].sum(0), dgamma[q_heads:].sum(0))
+        return QkNormBwdOut(out.dz, out.zdz, *rowwise.qknorm_weight_grads(partials, head_dim))
 
     def bias_grad(self, dz: torch.Tensor) -> torch.Tensor:
         # One column-sum pass over dz (M × N_qkv), in fp32.

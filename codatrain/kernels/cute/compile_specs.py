@@ -277,7 +277,9 @@ def backward_kernels(s: KernelShapes) -> list[KernelSpec]:
         # rope_bwd and row_dot launch the same row-wise kernel, with and without the rotation.
         KernelSpec(
             "QK-norm + RoPE backward + ZdZ",
-            lambda: rowwise.compile_qknorm_rope_bwd(_cute(ACT), _qkv_dim(s), s.head_dim, s.qkv_bias),
+            lambda: rowwise.compile_qknorm_rope_bwd(_cute(ACT), _qkv_dim(s), s.head_dim,
+                                                    s.n_heads * s.head_dim,
+                                                    (s.n_heads + s.n_kv_heads) * s.head_dim, s.qkv_bias),
         ) if s.qk_norm else KernelSpec(
             "RoPE backward + ZdZ",
             lambda: rowwise.compile_row_dot(_cute(ACT), _qkv_dim(s), True, s.qkv_bias),
@@ -342,9 +344,12 @@ def quantize_kernels(s: KernelShapes) -> list[KernelSpec]:
         ("the attention output o (and W_o's rows)", E4M3, _q_dim(s)),
     ]
     if s.fp8_wgrad:
-        # The weight gradients' operands that no stage spec quantizes: dx of the last layer's
-        # down-projection (the LM head's gradient) and dz of the QKV GEMMs (after the RoPE backward).
-        passes += [("the LM head's dx and the QKV GEMMs' dz", grad, "both")]
+        # The weight gradients' operands that no stage spec quantizes: dz of the QKV GEMMs (after
+        # the RoPE backward), and dx of the last layer's down-projection (the LM head's gradient),
+        # its rows for dSwiGLU and, after it, the transposed copy alone for dW_down.
+        passes += [("the QKV GEMMs' dz", grad, "both"),
+                   ("the LM head's dx for dSwiGLU", grad, s.dim),
+                   ("the LM head's dx for the down-projection's weight gradient", grad, "transposed")]
     else:
         passes += [
             ("dx of the down- and out-projections", grad, s.dim),

@@ -70,14 +70,19 @@ def rstd_bias_rope_epi(acc, pos, freq, rstd, bias):
     return {"D": pack(x1 * c - x2 * s, x1 * s + x2 * c)}
 
 
-def _norm_rope(z, pos, freq, head_rstd, norm_weight, passthrough):
+def _norm_rope(z, pos, freq, head_rstd, norm_weight):
     """The QK-norm and RoPE of F4's pre-norm pair z: q and k columns become z·r·γ (r their head's
-    rstd, γ = norm_weight; passthrough 0), v columns stay z (γ 0, passthrough 1); then adjacent
-    pairs rotate by pos·freq turns as in `rstd_bias_rope_epi` (v columns have frequency 0). z is
-    also written, as the two lanes of each pair: the backward reads it."""
+    rstd, γ = norm_weight), v columns stay z (γ 0, passthrough 1); then adjacent pairs rotate by
+    pos·freq turns as in `rstd_bias_rope_epi`. z is also written, as the two lanes of each pair:
+    the backward reads it.
+
+    The v columns are told apart by their frequency, 0 there and at least ~1e-10 turns on every q
+    and k column (any θ < 1e20, any RoPE scaling): one per-column vector fewer than a passthrough
+    operand, in an epilogue whose registers spill (scripts/kernel_report.py)."""
+    fh, fl = unpack(freq)
+    passthrough = 1.0 - cute.arch.fmin(fh * 1e30, 1.0)
     x1, x2 = unpack(z * (head_rstd * norm_weight + passthrough))
     z1, z2 = unpack(z)
-    fh, fl = unpack(freq)
     t = pos * fh
     lo = cute.math.fma(pos, fl, cute.math.fma(pos, fh, -t))
     s, c = sincos_turns(t, lo)
@@ -88,7 +93,7 @@ def _norm_rope(z, pos, freq, head_rstd, norm_weight, passthrough):
 # the prepass sums z² + ε over a head's head_dim columns, whose mean is mean z² + ε, so one kernel
 # serves every model's ε. Each epilogue owns its op instance, as QuACK's library mods do.
 _QKNORM_OPS = {"pos": ColVecLoad("pos"), "freq": RowVecLoad("freq"), "rstd": ColVecLoad("rstd"),
-               "norm_weight": RowVecLoad("norm_weight"), "passthrough": RowVecLoad("passthrough")}
+               "norm_weight": RowVecLoad("norm_weight")}
 _head_rstd = HeadRstd("head_rstd", eps=0.0)
 _head_rstd_bias = HeadRstd("head_rstd", eps=0.0)
 
@@ -105,18 +110,18 @@ def _qknorm_sq_bias(acc, rstd, bias, eps):
 
 @gemm_epilogue(outputs=("z_even", "z_odd"), ops={**_QKNORM_OPS, "head_rstd": _head_rstd},
                prepass=_qknorm_sq, prepass_outs=("head_rstd",), mode="acc_pair")
-def rstd_qknorm_rope_epi(acc, pos, freq, rstd, head_rstd, norm_weight, passthrough, eps):
+def rstd_qknorm_rope_epi(acc, pos, freq, rstd, head_rstd, norm_weight, eps):
     """F4 with Qwen3's QK-norm: z = rstd ⊙ acc, each q and k head RMS-normed (its rstd from the
     prepass, `eps` folded into it) and scaled by its norm weight, then RoPE (`_norm_rope`)."""
-    return _norm_rope(acc * rstd, pos, freq, head_rstd, norm_weight, passthrough)
+    return _norm_rope(acc * rstd, pos, freq, head_rstd, norm_weight)
 
 
 @gemm_epilogue(outputs=("z_even", "z_odd"),
                ops={**_QKNORM_OPS, "bias": RowVecLoad("bias"), "head_rstd": _head_rstd_bias},
                prepass=_qknorm_sq_bias, prepass_outs=("head_rstd",), mode="acc_pair")
-def rstd_bias_qknorm_rope_epi(acc, pos, freq, rstd, bias, head_rstd, norm_weight, passthrough, eps):
+def rstd_bias_qknorm_rope_epi(acc, pos, freq, rstd, bias, head_rstd, norm_weight, eps):
     """`rstd_qknorm_rope_epi` with a QKV bias added before the norm: z = rstd ⊙ acc + bias."""
-    return _norm_rope(acc * rstd + bias, pos, freq, head_rstd, norm_weight, passthrough)
+    return _norm_rope(acc * rstd + bias, pos, freq, head_rstd, norm_weight)
 
 
 @gemm_epilogue(ops={"rstd": ColVecLoad("rstd")})

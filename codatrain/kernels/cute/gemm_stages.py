@@ -109,6 +109,8 @@ def rope_freq(head_dim: int, rope_heads: int, n: int, device: torch.device, *rop
     the v columns zero (angle 0 is an exact identity). Built in fp64, once per shape and RoPE."""
     theta, rope_type, *scaling = rope
     inv_freq = rope_inv_freq(head_dim, Rope(theta, RopeType(rope_type), *scaling))
+    # Every rotated pair's frequency is positive (θ > 0 and the scaling factors, as LlamaConfig
+    # checks them): zero marks the v columns, which the QK-norm epilogue passes (`_norm_rope`).
     rope_cols = rope_heads * head_dim
     return make_interleaved_inv_freq(inv_freq, rope_cols, n - rope_cols).to(device)
 
@@ -133,12 +135,6 @@ def gemm_rstd_rope(
                            bias=aligned16(bias), **operands)
 
 
-@functools.lru_cache(maxsize=16)
-def qknorm_passthrough(rope_cols: int, n: int, device: torch.device) -> Tensor:
-    """fp32 (n,): 1 on the v columns, which the QK-norm epilogue passes through, 0 on q and k."""
-    return torch.cat((torch.zeros(rope_cols), torch.ones(n - rope_cols))).to(device)
-
-
 @cute_op("codatrain::cute_gemm_rstd_qknorm_rope", mutates_args=("qkv", "z_pairs"), device_types="cuda")
 def gemm_rstd_qknorm_rope(
     h: Tensor, weight: Tensor, rstd: Tensor, positions: Tensor, bias: Tensor | None, norm_weight: Tensor,
@@ -151,12 +147,10 @@ def gemm_rstd_qknorm_rope(
     extra outputs one value per pair). norm_weight (N,) fp32: each q head's norm weight, each k
     head's, 0 on the v columns; the rope_* arguments as in `gemm_rstd_rope`."""
     n = weight.shape[0]
-    rope_cols = rope_heads * head_dim
     freq = rope_freq(head_dim, rope_heads, n, h.device, rope_theta, rope_type, rope_factor,
                      rope_low_freq_factor, rope_high_freq_factor, rope_original_max_positions)
     operands = {"pos": positions.to(torch.float32), "freq": freq, "rstd": rstd, "head_rstd": head_dim,
-                "norm_weight": norm_weight, "passthrough": qknorm_passthrough(rope_cols, n, h.device),
-                "eps": eps}
+                "norm_weight": norm_weight, "eps": eps}
     epilogue = rstd_qknorm_rope_epi
     if bias is not None:
         epilogue, operands["bias"] = rstd_bias_qknorm_rope_epi, aligned16(bias)
