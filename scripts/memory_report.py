@@ -11,12 +11,22 @@ peak 0.41 GiB above bf16 CODA's, as the GPU measured (0.42 GiB; docs/benchmarks.
 
 Takes the overrides of scripts/train.py (block defaults to coda). The kernels compile into a
 temporary cache unless kernels.cache_dir names one (a minute or two on two cores the first time).
+
+What the GPU itself holds (allocator rounding, library workspaces, the optimizer's step) the count
+cannot see. A profiled GPU run records it: `train.profile_steps=1` (or `bench_train.py --profile
+1`) writes the caching allocator's history of one whole step to profile/memory_rank0.pickle, and
+
+    python scripts/memory_report.py --snapshot runs/<run>/profile/memory_rank0.pickle [--top 20]
+
+replays it on any machine: the step's peak of allocated bytes, the allocation that reached it, and
+the allocations alive there, each with the codatrain frames that made it.
 """
 
 import argparse
 import dataclasses
 import json
 import os
+import pickle
 import subprocess
 import sys
 import tempfile
@@ -97,12 +107,71 @@ def count_step(cfg: LlamaConfig, shapes: KernelShapes) -> LiveBytes:
     return counter
 
 
+def _frames(frames: list[dict[str, Any]]) -> str:
+    """The innermost codatrain frames of an allocator stack, else its innermost Python frame."""
+    ours = [f for f in frames if f"{os.sep}codatrain{os.sep}" in f["filename"]]
+    shown = ours[:3] or frames[:1]
+    return " < ".join(f"{f['name']}:{f['line']}" for f in shown) or "(no Python frame)"
+
+
+def replay_snapshot(snapshot: dict[str, Any], device: int = 0) -> dict[str, Any]:
+    """The peak of allocated bytes over a CUDA allocator history (`torch.cuda.memory._snapshot()`
+    taken while `_record_memory_history` ran) and what was alive there.
+
+    The history starts after the parameters and optimizer state exist: what was allocated before it
+    (`before_bytes`) is what is allocated at the end less the history's net allocations. A block
+    counts from its `alloc` to its `free_completed` (a free that waits on another stream's use holds
+    its memory until then, as the allocator's own statistics do)."""
+    trace = snapshot["device_traces"][device]
+    at_end = sum(block["size"] for segment in snapshot["segments"] if segment["device"] == device
+                 for block in segment["blocks"] if block["state"].startswith("active"))
+    net = sum(e["size"] if e["action"] == "alloc" else -e["size"]
+              for e in trace if e["action"] in ("alloc", "free_completed"))
+    before = at_end - net
+    current = peak = before
+    peak_index = -1
+    for index, event in enumerate(trace):
+        if event["action"] == "alloc":
+            current += event["size"]
+            if current > peak:
+                peak, peak_index = current, index
+        elif event["action"] == "free_completed":
+            current -= event["size"]
+    live: dict[int, dict[str, Any]] = {}
+    for event in trace[: peak_index + 1]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+        elif event["action"] == "free_completed":
+            live.pop(event["addr"], None)
+    alive = sorted(({"bytes": e["size"], "made_by": _frames(e.get("frames", []))} for e in live.values()),
+                   key=lambda entry: -entry["bytes"])
+    peak_at = _frames(trace[peak_index].get("frames", [])) if peak_index >= 0 else "(before the history)"
+    return {"before_bytes": before, "peak_bytes": peak, "peak_at": peak_at, "alive": alive}
+
+
+def snapshot_report(path: Path, top: int) -> None:
+    with path.open("rb") as f:
+        report = replay_snapshot(pickle.load(f))
+    print(f"{path}: peak {report['peak_bytes'] / 2**30:.3f} GiB allocated, of which "
+          f"{report['before_bytes'] / 2**30:.3f} GiB before the recorded step (parameters, optimizer "
+          f"state, caches); reached at {report['peak_at']}")
+    groups: dict[str, list[int]] = {}
+    for entry in report["alive"]:
+        groups.setdefault(entry["made_by"], []).append(entry["bytes"])
+    print(f"  alive at the peak, made in the step ({len(report['alive'])} blocks), by maker:")
+    for maker, sizes in sorted(groups.items(), key=lambda item: -sum(item[1]))[:top]:
+        print(f"  {sum(sizes) / 2**20:10.1f} MiB  {len(sizes):4d} × (largest {max(sizes) / 2**20:.1f})"
+              f"  {maker}")
+
+
 def main(argv: list[str]) -> int | str:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="config overrides, as for scripts/train.py")
     parser.add_argument("--top", type=int, default=15, help="tensors alive at the peak to list")
     parser.add_argument("--json", type=Path, help="also write the report to this file")
+    parser.add_argument("--snapshot", type=Path,
+                        help="instead: replay a GPU step's allocator history (profile/memory_rank0.pickle)")
     parser.add_argument("--job", help=argparse.SUPPRESS)  # the compile process's own argument
     args = parser.parse_intermixed_args(argv)
     if args.job:
@@ -112,6 +181,9 @@ def main(argv: list[str]) -> int | str:
         print(json.dumps({"peak_bytes": counter.peak, "peak_at": counter.peak_maker,
                           "alive": [dict(zip(("bytes", "dtype", "shape", "made_by"), e, strict=True))
                                     for e in alive]}))
+        return 0
+    if args.snapshot:
+        snapshot_report(args.snapshot, args.top)
         return 0
 
     try:

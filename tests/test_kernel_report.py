@@ -55,3 +55,26 @@ def test_memory_report_counts_the_tensors_alive_at_the_peak(tmp_path):
     assert sum(entry["bytes"] for entry in report["alive"]) == report["peak_bytes"] > 0
     preacts = [e for e in report["alive"] if "gemm_rstd_swiglu" in e["made_by"] and e["shape"] == "2048×768"]
     assert len(preacts) == 4 and all(e["bytes"] == 2048 * 768 * 2 for e in preacts), report["alive"][:10]
+
+
+def _event(action: str, addr: int, size: int, name: str = "") -> dict:
+    frames = [{"filename": f"/x/codatrain/model/{name}.py", "line": 1, "name": name}] if name else []
+    return {"action": action, "addr": addr, "size": size, "frames": frames}
+
+
+def test_memory_report_replays_a_gpu_allocator_history_to_its_peak():
+    """A history as torch.cuda.memory._snapshot() writes it: 100 bytes held before it began; the
+    step allocates a (60) and b (30), frees a (held until its free completes), allocates c (50).
+    The peak is 100 + 60 + 30 at b's allocation, with a and b alive."""
+    from memory_report import replay_snapshot
+
+    trace = [_event("alloc", 1, 60, "fwd"), _event("alloc", 2, 30, "bwd"), _event("free_requested", 1, 60),
+             _event("free_completed", 1, 60), _event("alloc", 3, 50, "opt"), _event("segment_alloc", 9, 512)]
+    segments = [{"device": 0, "blocks": [{"size": 100, "state": "active_allocated"},
+                                         {"size": 30, "state": "active_allocated"},
+                                         {"size": 50, "state": "active_allocated"},
+                                         {"size": 60, "state": "inactive"}]}]
+    report = replay_snapshot({"segments": segments, "device_traces": [trace]})
+    assert report["before_bytes"] == 100 and report["peak_bytes"] == 190
+    assert report["peak_at"] == "bwd:1"
+    assert [(e["bytes"], e["made_by"]) for e in report["alive"]] == [(60, "fwd:1"), (30, "bwd:1")]

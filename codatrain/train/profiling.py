@@ -11,12 +11,20 @@ from torch.profiler import ProfilerActivity, profile, schedule
 class StepProfiler:
     """Profiles `steps` optimizer steps after skipping `skip` (and one warm-up step), then writes
     `<run_dir>/profile/summary_rank<r>.txt` (ops sorted by their own device time, or CPU time on
-    CPU) and a Chrome trace beside it. Does nothing when `steps` is 0."""
+    CPU) and a Chrome trace beside it. Does nothing when `steps` is 0.
+
+    On a GPU the warm-up step also records the caching allocator's history (every allocation with
+    its Python stack), written as `memory_rank<r>.pickle`: where in the step the peak falls and
+    what is alive there (`scripts/memory_report.py --snapshot`). It is the warm-up step's so that
+    the recording's host cost stays out of the profiled steps."""
 
     def __init__(self, run_dir: str, steps: int, skip: int, rank: int, device: torch.device) -> None:
         self.out_dir, self.rank, self.on_gpu = os.path.join(run_dir, "profile"), rank, device.type == "cuda"
         self.profiler = None
+        self.steps_done, self.skip = 0, skip
         if steps > 0:
+            if self.on_gpu and skip == 0:
+                self._record_memory()
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.on_gpu else [])
             self.profiler = profile(
                 activities=activities,
@@ -28,6 +36,19 @@ class StepProfiler:
     def step(self) -> None:
         if self.profiler is not None:
             self.profiler.step()
+            self.steps_done += 1
+            if self.on_gpu and self.steps_done == self.skip:
+                self._record_memory()
+            elif self.on_gpu and self.steps_done == self.skip + 1:
+                self._dump_memory()
+
+    def _record_memory(self) -> None:
+        torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
+
+    def _dump_memory(self) -> None:
+        os.makedirs(self.out_dir, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(os.path.join(self.out_dir, f"memory_rank{self.rank}.pickle"))
+        torch.cuda.memory._record_memory_history(enabled=None)
 
     def stop(self) -> None:
         if self.profiler is not None:
