@@ -59,14 +59,19 @@ from codatrain.model.llama import Block, rope_cos_sin
 EPS = 1e-5
 
 
+SPIN_CYCLES = 1_000_000  # about 0.5 ms at an H100's or H200's ~2 GHz SM clock
+
+
 def median_ms(fns: list[Callable[[], object]], device: torch.device, *, warmup: int, iters: int) -> list:
     """Median time of each fn over `iters` calls, after `warmup` untimed ones (compiles, caches).
 
     The fns are timed interleaved (one call of each per round), so a drift of the GPU clock
     shifts all of them alike and their ratios hold. On a GPU each call is preceded by a 256 MB
     memset, as in triton's do_bench: it evicts the operands from L2 (each call reads its weights
-    from HBM, as in training) and keeps the GPU busy while the host enqueues the call, so the
-    time is the GPU's, without the launch overhead."""
+    from HBM, as in training). Then a 0.5 ms spin keeps the GPU busy while the host enqueues the
+    call (the memset alone lasts 0.08 ms, shorter than some stages' host paths), so the time is
+    the GPU's, as in a training step whose host runs ahead, without the launch overhead; `host_ms`
+    times the host's part."""
     for fn in fns:
         for _ in range(warmup):
             fn()
@@ -81,6 +86,7 @@ def median_ms(fns: list[Callable[[], object]], device: torch.device, *, warmup: 
                 continue
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             flush.zero_()
+            torch.cuda._sleep(SPIN_CYCLES)
             begin.record()
             fn()
             end.record()
@@ -193,16 +199,14 @@ def host_ms(fn: Callable[[], object], device: torch.device, iters: int = 20) -> 
 
 
 def qknorm_kernel_alone(x: Inputs, weights: dict[str, torch.Tensor], fwd: object) -> Callable[[], None]:
-    """The cute QK-norm GEMM kernel on operands prepared once: without the backend's per-call work
-    (its column norm-weight vector, output allocations, checks)."""
+    """The cute QK-norm GEMM's custom op on operands and outputs prepared once: without the
+    backend's per-call checks and output allocations."""
     from codatrain.kernels.cute import gemm_stages
-    from codatrain.kernels.cute.backend import column_norm_weight
 
-    c, n = x.cfg, x.w_qkv.shape[0]
-    rope_heads = x.rope["rope_heads"]
-    norm_weight = column_norm_weight(weights["q_weight"], weights["k_weight"], c.n_heads, rope_heads, n)
-    args = (x.h, x.w_qkv, x.rstd, x.positions, None, norm_weight, torch.empty_like(fwd.qkv),
-            torch.empty_like(fwd.z), c.head_dim, rope_heads, EPS, *gemm_stages.rope_args(x.rope["rope"]))
+    c, rope_heads = x.cfg, x.rope["rope_heads"]
+    args = (x.h, x.w_qkv, x.rstd, x.positions, None, weights["q_weight"], weights["k_weight"],
+            torch.empty_like(fwd.qkv), torch.empty_like(fwd.z), c.head_dim, c.n_heads, rope_heads, EPS,
+            *gemm_stages.rope_args(x.rope["rope"]))
     return lambda: gemm_stages.gemm_rstd_qknorm_rope(*args)
 
 

@@ -7,11 +7,21 @@ writes (<run_dir>/profile/summary_rank0.txt, a torch.profiler table sorted by se
 Only device kernels and copies count (operator rows such as `aten::mm` or `_LayerFnBackward` hold
 the same time again); the table lists the top rows only, so the families are summed over what it
 lists and shown beside the profile's total. Times are divided by the number of profiled steps.
+
+The GPU's idle time within the profiled steps (a step slower than its kernels: the host enqueues
+behind the GPU, or waits on it) comes from the Chrome trace beside the summary:
+
+    python scripts/profile_breakdown.py --gaps runs/prof/coda_fp8/profile/trace_rank0.json
+
+sums the gaps between device activity per step and names the host operators whose launches ended
+them, the largest first.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
+import json
 import re
 from pathlib import Path
 
@@ -63,12 +73,76 @@ def breakdown(summary: str) -> tuple[dict[str, float], float, int]:
     return families, 1e3 * seconds(total.split(":")[1].strip()) / steps, steps
 
 
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def idle_gaps(trace: dict, min_gap_us: float = 5.0) -> tuple[float, int, dict[str, tuple[float, int]]]:
+    """(GPU idle ms per profiled step, steps, {launching host operator: (idle ms per step, gaps)}):
+    the gaps of at least `min_gap_us` between device activity from the first profiled step's first
+    kernel to the last one's end, each charged to the host operators (cpu_op) open at the launch of
+    the activity ending it, as "outermost › innermost" ("(no operator)" for a bare runtime call)."""
+    events = trace["traceEvents"]
+    steps = sum(1 for e in events
+                if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#"))
+    if steps == 0:
+        raise ValueError("no ProfilerStep annotations")
+    device = sorted((e for e in events if e.get("cat") in GPU_CATEGORIES and e.get("ph") == "X"),
+                    key=lambda e: e["ts"])
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    ops: dict[object, list[dict]] = {}
+    for e in events:
+        if e.get("cat") == "cpu_op" and e.get("ph") == "X":
+            ops.setdefault(e["tid"], []).append(e)
+    starts = {}
+    for tid, tid_ops in ops.items():
+        tid_ops.sort(key=lambda e: e["ts"])
+        starts[tid] = [e["ts"] for e in tid_ops]
+
+    def launcher(activity: dict) -> str:
+        launch = launches.get(activity.get("args", {}).get("correlation"))
+        if launch is None or launch["tid"] not in ops:
+            return "(no operator)"
+        t, tid_ops = launch["ts"], ops[launch["tid"]]
+        # The operators open at the launch: the outermost is the earliest-starting one that still covers it.
+        i = bisect.bisect_right(starts[launch["tid"]], t)
+        covering = [op for op in tid_ops[max(0, i - 5000):i] if op["ts"] + op["dur"] >= t]
+        if not covering:
+            return "(no operator)"
+        outer, inner = covering[0]["name"], covering[-1]["name"]
+        return outer if outer == inner else f"{outer} › {inner}"
+
+    idle, by_op = 0.0, {}
+    busy_until = device[0]["ts"] + device[0]["dur"]
+    for activity in device[1:]:
+        gap = activity["ts"] - busy_until
+        if gap >= min_gap_us:
+            idle += gap
+            name = launcher(activity)
+            total, count = by_op.get(name, (0.0, 0))
+            by_op[name] = (total + gap, count + 1)
+        busy_until = max(busy_until, activity["ts"] + activity["dur"])
+    per_step = {name: (us / 1e3 / steps, count) for name, (us, count) in by_op.items()}
+    return idle / 1e3 / steps, steps, per_step
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("summaries", nargs="+", type=Path)
+    parser.add_argument("summaries", nargs="*", type=Path)
+    parser.add_argument("--gaps", nargs="+", type=Path, default=[], metavar="TRACE",
+                        help="the GPU's idle time in these Chrome traces (trace_rank0.json)")
+    parser.add_argument("--top", type=int, default=15, help="host operators to list per trace")
     args = parser.parse_args()
+    for path in args.gaps:
+        try:
+            idle, steps, by_op = idle_gaps(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, IndexError) as error:
+            raise SystemExit(f"{path}: not a torch.profiler Chrome trace ({error!r})") from None
+        print(f"{path} ({steps} steps): GPU idle {idle:.2f} ms per step, in gaps ended by launches from")
+        for name, (ms, count) in sorted(by_op.items(), key=lambda item: -item[1][0])[: args.top]:
+            print(f"  {ms:8.2f} ms  {count / steps:7.1f} gaps  {name}")
     for path in args.summaries:
         try:
             families, total, steps = breakdown(path.read_text())

@@ -33,3 +33,30 @@ def test_not_a_summary_is_a_clear_error(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "profile_breakdown.py"), str(bad)],
                           capture_output=True, text=True)
     assert proc.returncode != 0 and "not a profile summary" in proc.stderr
+
+
+def test_gaps_charge_the_gpu_idle_time_to_the_host_operators_that_ended_it():
+    """Two profiled steps: kernels at 0–10 µs, 30–40 (launched inside aten::mm inside Layer), 40–50
+    (back to back: no gap) and 150–160 (launched by a bare runtime call). Idle: 20 µs charged to
+    Layer › aten::mm, 100 µs to no operator; per step half of each."""
+    from profile_breakdown import idle_gaps
+
+    def kernel(ts, correlation):
+        return {"ph": "X", "cat": "kernel", "name": f"k{ts}", "ts": ts, "dur": 10,
+                "args": {"correlation": correlation}}
+
+    def launch(ts, correlation):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1, "tid": 1,
+                "args": {"correlation": correlation}}
+
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#7", "ts": 0, "dur": 80},
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#8", "ts": 80, "dur": 80},
+        {"ph": "X", "cat": "cpu_op", "name": "Layer", "ts": 5, "dur": 20, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 10, "dur": 5, "tid": 1},
+        kernel(0, 1), kernel(30, 2), kernel(40, 3), kernel(150, 4),
+        launch(1, 1), launch(12, 2), launch(20, 3), launch(140, 4),
+    ]
+    idle, steps, by_op = idle_gaps({"traceEvents": events})
+    assert steps == 2 and idle == pytest.approx(0.06)
+    assert by_op == {"Layer › aten::mm": (pytest.approx(0.01), 1), "(no operator)": (pytest.approx(0.05), 1)}

@@ -83,15 +83,6 @@ def _maybe_quantize(x: torch.Tensor, to: QuantizeTo | None) -> torch.Tensor | Fp
     return x if to is None else quantize_to(x, to)
 
 
-def column_norm_weight(q_weight: torch.Tensor, k_weight: torch.Tensor, q_heads: int, rope_heads: int,
-                        n: int) -> torch.Tensor:
-    """fp32 (n,): the QK-norm weight of each QKV column, q_weight on the q heads, k_weight on the k
-    heads, 0 on the v columns (which the norm passes through)."""
-    head_dim = q_weight.shape[0]
-    return torch.cat((q_weight.float().repeat(q_heads), k_weight.float().repeat(rope_heads - q_heads),
-                      q_weight.new_zeros(n - rope_heads * head_dim, dtype=STAT)))
-
-
 class CuteStages(StageBackend):
     """Every CODA stage as a Hopper kernel: CuTeDSL epilogues on QuACK's GEMM, row kernels, and
     cuBLAS for the plain dgrad/wgrad. `fp8_fast_accum` (block.fp8_fast_accum): every FP8 stage's
@@ -236,8 +227,8 @@ class CuteStages(StageBackend):
         m, n = h.shape[0], weight.shape[0]
         qkv, z_pairs = empty(m, n, like=h), empty(2, m, n // 2, like=h)
         gemm_stages.gemm_rstd_qknorm_rope(
-            h, weight, rstd, positions, bias, column_norm_weight(q_weight, k_weight, q_heads, rope_heads, n),
-            qkv, z_pairs, head_dim, rope_heads, eps, *gemm_stages.rope_args(rope),
+            h, weight, rstd, positions, bias, q_weight, k_weight, qkv, z_pairs, head_dim, q_heads, rope_heads,
+            eps, *gemm_stages.rope_args(rope),
         )
         # z as the epilogue wrote it (its even and odd column planes), which the backward reads as
         # it is: putting it in column order would be one more pass over an M × N tensor.

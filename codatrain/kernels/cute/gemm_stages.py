@@ -135,22 +135,35 @@ def gemm_rstd_rope(
                            bias=aligned16(bias), **operands)
 
 
+def column_norm_weight(q_weight: Tensor, k_weight: Tensor, q_heads: int, rope_heads: int, n: int) -> Tensor:
+    """fp32 (n,): the QK-norm weight of each QKV column, q_weight on the q heads, k_weight on the k
+    heads, 0 on the v columns. Two launches: it is rebuilt at every forward (the weights change
+    each step), and a host path that outlasts the GPU's queue shows in the step."""
+    head_dim = q_weight.shape[0]
+    columns = empty(n // head_dim, head_dim, like=q_weight, dtype=torch.float32)
+    torch.cat((q_weight.expand(q_heads, head_dim), k_weight.expand(rope_heads - q_heads, head_dim)),
+              out=columns[:rope_heads])
+    columns[rope_heads:].zero_()
+    return columns.view(n)
+
+
 @cute_op("codatrain::cute_gemm_rstd_qknorm_rope", mutates_args=("qkv", "z_pairs"), device_types="cuda")
 def gemm_rstd_qknorm_rope(
-    h: Tensor, weight: Tensor, rstd: Tensor, positions: Tensor, bias: Tensor | None, norm_weight: Tensor,
-    qkv: Tensor, z_pairs: Tensor, head_dim: int, rope_heads: int, eps: float, rope_theta: float,
-    rope_type: str, rope_factor: float, rope_low_freq_factor: float, rope_high_freq_factor: float,
-    rope_original_max_positions: int,
+    h: Tensor, weight: Tensor, rstd: Tensor, positions: Tensor, bias: Tensor | None, q_weight: Tensor,
+    k_weight: Tensor, qkv: Tensor, z_pairs: Tensor, head_dim: int, q_heads: int, rope_heads: int, eps: float,
+    rope_theta: float, rope_type: str, rope_factor: float, rope_low_freq_factor: float,
+    rope_high_freq_factor: float, rope_original_max_positions: int,
 ) -> None:
     """qkv = rope(QK-norm(rstd ⊙ (h·Wᵀ) [+ bias])) and z_pairs (2, M, N/2): the pre-norm z, the even
     columns of each RoPE pair in z_pairs[0], the odd in z_pairs[1] (QuACK's paired epilogue writes
-    extra outputs one value per pair). norm_weight (N,) fp32: each q head's norm weight, each k
-    head's, 0 on the v columns; the rope_* arguments as in `gemm_rstd_rope`."""
+    extra outputs one value per pair). q_weight, k_weight (head_dim,): the norm weights of the
+    q_heads q heads and of the rope_heads − q_heads k heads; the rope_* arguments as in
+    `gemm_rstd_rope`."""
     n = weight.shape[0]
     freq = rope_freq(head_dim, rope_heads, n, h.device, rope_theta, rope_type, rope_factor,
                      rope_low_freq_factor, rope_high_freq_factor, rope_original_max_positions)
     operands = {"pos": positions.to(torch.float32), "freq": freq, "rstd": rstd, "head_rstd": head_dim,
-                "norm_weight": norm_weight, "eps": eps}
+                "norm_weight": column_norm_weight(q_weight, k_weight, q_heads, rope_heads, n), "eps": eps}
     epilogue = rstd_qknorm_rope_epi
     if bias is not None:
         epilogue, operands["bias"] = rstd_bias_qknorm_rope_epi, aligned16(bias)
