@@ -21,6 +21,7 @@ from codatrain.train.fp8_allgather import Fp8GatherShard
 from codatrain.train.logger import read_losses, read_records
 from codatrain.train.plan import build_run_plan
 
+GATHER_BYTES_RUNS = str(Path(__file__).parent / "gather_bytes_runs.py")
 FP8 = ["block=coda", "block.backend=reference", "block.attention=sdpa", "block.precision=fp8"]
 
 
@@ -115,7 +116,7 @@ def two_ranks(tmp_path_factory):
     runs = {"on": [], "off": ["parallel.fp8_all_gather=false"],
             "resumed": [f"checkpoint.resume={root / 'off/checkpoints/step_2'}"]}
     output = launch(2, [[*COMMON, *extra, f"train.run_dir={root / name}"] for name, extra in runs.items()],
-                    root, script=str(Path(__file__).parent / "gather_bytes_runs.py"))
+                    root, script=GATHER_BYTES_RUNS)
     assert output.count("weights all-gathered in fp8") == 2
     return {name: root / name for name in runs}
 
@@ -142,6 +143,20 @@ def test_the_layer_weights_are_gathered_in_one_byte_and_checkpoints_stay_canonic
         assert _tensors(checkpoints[0]) == _tensors(checkpoints[1])
     weights = {key: dtype for key, (dtype, _) in _tensors(checkpoints[0]).items() if ":model." in key}
     assert weights and set(weights.values()) == {"F32"}
+
+
+@pytest.mark.slow
+def test_hsdp_2x2_trains_bitwise_as_without_it(tmp_path):
+    """4 processes, 2 replicas of 2 shards: the gather and the scales' all-reduce within and across
+    the groups (every rank ends with the same scales)."""
+    hsdp = [*COMMON, "parallel.dp_replicate=2"]
+    runs = [[*hsdp, f"parallel.fp8_all_gather={on}", f"train.run_dir={tmp_path / on}"]
+            for on in ("true", "false")]
+    output = launch(4, runs, tmp_path, script=GATHER_BYTES_RUNS)
+    assert output.count("HSDP 2 replicas × 2 shards") == 2
+    assert _numbers(tmp_path / "true") == _numbers(tmp_path / "false")
+    gathered = json.loads((tmp_path / "true" / BYTES_FILE).read_text())
+    assert gathered["fp8"] > 0
 
 
 # ---- the key -------------------------------------------------------------------------------------
