@@ -231,6 +231,10 @@ class ParallelConfig:
 
     dp_replicate: str = "1"  # a number of replicas, or auto: one per node
     dp_shard: int = -1  # processes per replica; -1: the processes dp_replicate leaves
+    # All-gather the FP8 CODA block's layer GEMM weights in e4m3 (each shard quantized before the
+    # gather: half the bytes of bf16), as the GEMMs read them anyway. null: on when
+    # block.precision=fp8 and FSDP2 shards (dp_shard > 1); true needs block=coda, block.precision=fp8.
+    fp8_all_gather: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dp_replicate != AUTO_REPLICATE and not (

@@ -19,10 +19,11 @@ from codatrain.train.distributed import barrier, init_distributed, shutdown_dist
 from codatrain.train.trainer import Trainer
 
 
-def launch(nproc: int, runs: list[list[str]], cwd: Path) -> str:
-    """The runs in one torchrun job of `nproc` CPU processes; its output (stdout and stderr)."""
+def launch(nproc: int, runs: list[list[str]], cwd: Path, script: str = __file__) -> str:
+    """The runs in one torchrun job of `nproc` CPU processes (by `script`, a `main` like this
+    file's); its output (stdout and stderr)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           __file__, json.dumps(runs)]
+           script, json.dumps(runs)]
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc.stdout + proc.stderr

@@ -18,7 +18,9 @@ match them.
   activation and gradient records its amax of step t, the maximum over micro-batches and
   processes, which `roll_history` puts into the history when the step's update is applied.
 - Weights are scaled by their own current amax. They change only at optimizer steps, so their FP8
-  copies are the same for every use within a step: a backend may quantize them once per step.
+  copies are the same for every use within a step: a backend may quantize them once per step. A
+  weight may also arrive quantized (`Fp8Weight`: FSDP2 gathered it in FP8), by the same rule applied
+  to the weight in the compute dtype.
 """
 
 from __future__ import annotations
@@ -80,6 +82,50 @@ class Fp8Tensor(NamedTuple):
     def dequantize(self) -> torch.Tensor:
         """data / scale in fp32."""
         return self.data.float() / self.scale
+
+
+class Fp8Weight(torch.Tensor):
+    """A layer GEMM weight that arrives already in FP8: e4m3 bytes `fp8_data` ≈ W·`fp8_scale`,
+    standing for a weight of `dtype` (the compute dtype) and the bytes' shape. FSDP2 all-gathers
+    the layer weights in this form with `parallel.fp8_all_gather` (codatrain/train/fp8_allgather.py),
+    so the model takes its GEMM operands from it (`operand`) instead of quantizing the weight.
+
+    A tensor subclass because it is the module's parameter during forward and backward: autograd
+    takes it as a Function input and gives it a gradient of `dtype`. It supports only what FSDP2
+    does to an unsharded parameter (detach, as_strided); anything else is an error rather than a
+    silent computation on the dequantized values."""
+
+    fp8_data: torch.Tensor
+    fp8_scale: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Fp8Weight:
+        return torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=dtype, device=data.device)
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+        self.fp8_data, self.fp8_scale = data, scale
+
+    def __repr__(self) -> str:
+        return f"Fp8Weight({tuple(self.shape)}, {self.fp8_data.dtype} standing for {self.dtype})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        weight = args[0]
+        if func is torch.ops.aten.detach.default:
+            return Fp8Weight(weight.fp8_data, weight.fp8_scale, weight.dtype)
+        if func is torch.ops.aten.as_strided.default:  # FSDP2 views the gathered bytes in the weight's shape
+            return Fp8Weight(func(weight.fp8_data, *args[1:], **kwargs), weight.fp8_scale, weight.dtype)
+        raise NotImplementedError(f"{func} on an Fp8Weight: it is an FP8 GEMM operand only")
+
+    def operand(self, *, for_dgrad: bool) -> Fp8Tensor:
+        """The GEMM operand, as `quantize` with `Fp8Recipe.weight(for_dgrad=...)` gives it: the rows
+        for the forward; for the dgrad (which reads Wᵀ) the transposed copy alone, made from the
+        same bytes (a transpose moves FP8 values, it does not round them again)."""
+        if not for_dgrad:
+            return Fp8Tensor(self.fp8_data, self.fp8_scale, self.dtype)
+        data_t = self.fp8_data.t().contiguous()
+        return Fp8Tensor(data_t.t(), self.fp8_scale, self.dtype, None, data_t)
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:

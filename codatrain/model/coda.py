@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from codatrain.kernels.attention import AttentionFn, Documents, causal_attention, documents_from_ids
-from codatrain.kernels.fp8 import Fp8Recipe, Fp8Scaling, Fp8Step, Fp8Tensor, Operand, QuantizeTo
+from codatrain.kernels.fp8 import Fp8Recipe, Fp8Scaling, Fp8Step, Fp8Tensor, Fp8Weight, Operand, QuantizeTo
 from codatrain.kernels.resolve import ResolvedBlock, portable_block
 from codatrain.kernels.stages import IGNORE_INDEX, Rope, StageBackend
 from codatrain.model.config import LlamaConfig
@@ -119,13 +119,15 @@ def _weights(s: StageBackend, f: Fp8Step | None, *weights: torch.Tensor, for_dgr
     """The GEMM operands of `weights` in the forward or (`for_dgrad`) the backward: FP8 copies from
     their current amax, or the weights. The backward passes the forward's `scales` (`_scales`):
     the weights have not changed since, so their amax has not either, and a pass over them is
-    saved."""
+    saved. A weight FSDP2 gathered in FP8 (`Fp8Weight`) is its own operand: quantized by the same
+    rule before the gather, with the same scale in forward and backward."""
     if f is None:
         return list(weights)
     tos = [f.recipe.weight(for_dgrad=for_dgrad)] * len(weights)
     if scales is not None:
         tos = [to._replace(scale=scale) for to, scale in zip(tos, scales, strict=True)]
-    return [s.quantize(w, to) for w, to in zip(weights, tos, strict=True)]
+    return [w.operand(for_dgrad=for_dgrad) if isinstance(w, Fp8Weight) else s.quantize(w, to)
+            for w, to in zip(weights, tos, strict=True)]
 
 
 def _scales(quantized: list[torch.Tensor | Fp8Tensor]) -> tuple[torch.Tensor | None, ...]:
@@ -670,6 +672,19 @@ class CodaLlama(nn.Module):
     def blocks(self) -> list[nn.Module]:
         """The modules FSDP2 shards one at a time: the entry and every shifted layer."""
         return [self.entry, *self.layers]
+
+    def fp8_weight_names(self) -> list[str]:
+        """The parameters the FP8 layer GEMMs quantize (QKV, out, gate-up, down of every layer),
+        by native name; not the embedding, the norms or the LM head, which stay in the compute
+        dtype. Empty without FP8."""
+        if self.fp8_scaling is None:
+            return []
+        names = ["entry.w_qkv"]
+        for i in range(self.cfg.n_layers):
+            names += [f"layers.{i}.{w}" for w in ("w_o", "w_gate_up", "w_down")]
+            if i < self.cfg.n_layers - 1:
+                names.append(f"layers.{i}.w_qkv_next")
+        return names
 
     def forward(
         self, tokens: torch.Tensor, targets: torch.Tensor | None = None,

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from codatrain.model.init import canonical_init_tensor
 from codatrain.model.layout import CanonicalModel, permute_rows
+from codatrain.train.fp8_allgather import plain
 
 # Wrappers that activation checkpointing and torch.compile put into parameter names.
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
@@ -89,6 +90,13 @@ def init_weights(model: CanonicalModel, seed: int) -> None:
         model, lambda name, shape: canonical_init_tensor(name, shape, model.cfg, seed))
 
 
+def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """DCP's model state dict (`get_model_state_dict`) with every parameter a plain tensor: the
+    FP8-gathered layer weights (`parallel.fp8_all_gather`) as DTensors over their fp32 master
+    shards, in the same memory, so checkpoints, exports and loads see what they see without it."""
+    return {name: plain(tensor) for name, tensor in get_model_state_dict(model).items()}
+
+
 # (checkpoint key, dict holding the tensor, its key there, native parameter, whether the tensor has
 # the parameter's shape and so its layout)
 Entry = tuple[str, dict[str, Any], str, str, bool]
@@ -116,7 +124,7 @@ def canonical_state(model: nn.Module, optimizer: torch.optim.Optimizer,
     """The model and optimizer tensors as a flat canonical dict for DCP (sharded tensors stay
     sharded), and the optimizer's param-group hyperparameters."""
     optim_state = get_optimizer_state_dict(model, optimizer)
-    entries = state_entries(get_model_state_dict(model), optim_state, mapping)
+    entries = state_entries(model_state_dict(model), optim_state, mapping)
     tensors = {
         fqn: mapping.to_canonical(native, container[key]) if shaped else container[key]
         for fqn, container, key, native, shaped in entries
@@ -128,7 +136,7 @@ def canonical_state(model: nn.Module, optimizer: torch.optim.Optimizer,
 def full_canonical_tensors(model: nn.Module, mapping: CanonicalMapping) -> Iterator[tuple[str, torch.Tensor]]:
     """Every parameter as a full canonical tensor, one at a time. With FSDP2 each is gathered, so
     every rank must consume the iterator in step."""
-    for native, tensor in get_model_state_dict(model).items():
+    for native, tensor in model_state_dict(model).items():
         if native in mapping.canonical:
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             yield mapping.canonical[native], mapping.to_canonical(native, full)

@@ -73,7 +73,6 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
@@ -82,7 +81,13 @@ from torch.distributed.checkpoint.state_dict import (
 from codatrain.data.tokenizer import load_tokenizer, tokenizer_files
 from codatrain.kernels.fp8 import Fp8Scaling
 from codatrain.model.config import LlamaConfig
-from codatrain.train.canonical_state import CanonicalMapping, Entry, canonical_state, state_entries
+from codatrain.train.canonical_state import (
+    CanonicalMapping,
+    Entry,
+    canonical_state,
+    model_state_dict,
+    state_entries,
+)
 from codatrain.train.checkpoint_files import (
     CHECKSUM,
     copy_file,
@@ -155,7 +160,7 @@ def load_canonical_state(path: Path, manifest: Mapping[str, Any], model: nn.Modu
                          optimizer: torch.optim.Optimizer, mapping: CanonicalMapping) -> None:
     """Load model and optimizer from a checkpoint directory, resharding to this run's layout."""
     param_groups = manifest["optimizer_param_groups"]
-    model_state = get_model_state_dict(model)
+    model_state = model_state_dict(model)
     # For an optimizer that has not stepped yet this creates its state, as a template to load into.
     optim_state = get_optimizer_state_dict(model, optimizer)
     if len(param_groups) != len(optim_state["param_groups"]):
@@ -177,7 +182,7 @@ def load_model_weights(path: Path, manifest: Mapping[str, Any], model_cfg: Llama
     """Only the model's tensors of a checkpoint (`init_from`), resharded to this run's layout."""
     _check_model_config(path, manifest, model_cfg)
     mapping = CanonicalMapping(model)
-    model_state = get_model_state_dict(model)
+    model_state = model_state_dict(model)
     _load_entries(path, manifest, state_entries(model_state, {"state": {}}, mapping), mapping)
     set_model_state_dict(model, model_state)
 

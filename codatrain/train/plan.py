@@ -16,6 +16,7 @@ import torch
 from codatrain.config import (
     AUTO_REPLICATE,
     BlockConfig,
+    BlockImpl,
     ParallelConfig,
     Precision,
     RunConfig,
@@ -88,6 +89,7 @@ class RunPlan:
     tokens_per_step: int
     grad_accum: int  # micro-batches per optimizer step and process
     fp8: Fp8Recipe | None = None  # the CODA layer GEMMs' FP8 recipe (block.precision=fp8)
+    fp8_all_gather: bool = False  # FSDP2 gathers the FP8 layer weights in FP8 (parallel.fp8_all_gather)
 
     def header(self) -> list[str]:
         """The run header: block, model, processes, batch and compute dtype; then the recipe."""
@@ -100,6 +102,8 @@ class RunPlan:
             dtype += f" + float8 {run.train.float8} (torchao)"
         elif self.fp8 is not None:
             dtype += f", layer GEMMs in {self.fp8.describe()}"
+            if self.fp8_all_gather:
+                dtype += ", weights all-gathered in fp8"
         return [
             f"codatrain | block={self.block.describe()} | {run.model.preset}: "
             f"{cfg.num_params() / 1e6:.1f}M params, {cfg.flops_per_token(self.data.seq_len) / 1e9:.3f} "
@@ -164,8 +168,21 @@ def build_run_plan(run: RunConfig, device: torch.device | None, world_size: int 
         compute_dtype=torch.bfloat16 if gpu else torch.float32,
         device="sm_90 target" if device is None else device.type, world_size=world_size,
         mesh=mesh, tokens_per_step=tokens_per_step, grad_accum=tokens_per_step // tokens_per_micro_step,
-        fp8=fp8,
+        fp8=fp8, fp8_all_gather=fp8_all_gather(run, fp8, mesh),
     )
+
+
+def fp8_all_gather(run: RunConfig, fp8: Fp8Recipe | None, mesh: DataParallelMesh) -> bool:
+    """Whether FSDP2 gathers the FP8 layer weights in FP8: `parallel.fp8_all_gather`, by default
+    when there is an FP8 recipe and FSDP2 shards; true without the recipe is a ValueError."""
+    asked = run.parallel.fp8_all_gather
+    if asked is None:
+        return fp8 is not None and mesh.shard > 1
+    if asked and fp8 is None:
+        block = "block.precision=bf16" if run.block.impl == BlockImpl.coda else f"block={run.block.impl}"
+        raise ValueError(f"parallel.fp8_all_gather=true gathers the FP8 CODA block's layer weights in FP8: "
+                         f"it needs block=coda with block.precision=fp8, not {block}")
+    return asked
 
 
 def fp8_recipe(block: BlockConfig) -> Fp8Recipe | None:

@@ -28,6 +28,7 @@ from codatrain.train.distributed import (
     shutdown_distributed,
 )
 from codatrain.train.float8 import apply_float8
+from codatrain.train.fp8_allgather import refresh_scales, wrap_fp8_weights
 from codatrain.train.kernel_cache import KernelCache
 from codatrain.train.logger import RunLogger, format_duration
 from codatrain.train.metrics import (
@@ -100,6 +101,8 @@ class Trainer:
             model = build_model(self.model_cfg, plan.block, device, fp8=plan.fp8)
         # block.precision=fp8: the delayed-scaling state, training state beside the optimizer's.
         self.fp8_scaling = getattr(model, "fp8_scaling", None)
+        if plan.fp8_all_gather:  # before the wrappers below: the model's own parameter names
+            wrap_fp8_weights(model, plan.compute_dtype, plan.fp8.margin)
         if tcfg.float8 != "none":
             apply_float8(model, tcfg.float8, emulate=device.type != "cuda")
         if tcfg.activation_checkpointing:
@@ -154,6 +157,8 @@ class Trainer:
         micro_batches = [next(batches) for _ in range(self.grad_accum)]
         data_time = time.perf_counter() - t0
         local_targets = sum((batch.targets != IGNORE_INDEX).sum() for batch in micro_batches)
+        # The weights changed at the last optimizer step (or a checkpoint load): their FP8 scales.
+        refresh_scales(self.model)
         # A step without any target gives a zero loss and zero gradients rather than 0 / 0.
         step_targets = all_reduce_sum(local_targets).clamp(min=1)
         # FSDP2 averages gradients over the data-parallel processes (both dimensions of an HSDP
@@ -180,6 +185,7 @@ class Trainer:
         every rank runs the same number of forwards (FSDP2 gathers collectively), and one past the
         last batch leaves its loss out."""
         wanted, dp_size = self.run.train.val_batches, self.dp_size
+        refresh_scales(self.model)  # the weights' FP8 scales, as a training step's
         loss_sum, targets = torch.zeros((), device=self.dist.device), torch.zeros((), device=self.dist.device)
         for i, batch in enumerate(itertools.islice(self.val_data, math.ceil(wanted / dp_size))):
             loss = self.model(batch.inputs, batch.targets, doc_ids=batch.doc_ids, reduction="sum")
