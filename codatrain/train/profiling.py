@@ -16,12 +16,14 @@ class StepProfiler:
     On a GPU the warm-up step also records the caching allocator's history (every allocation with
     its Python stack), written as `memory_rank<r>.pickle`: where in the step the peak falls and
     what is alive there (`scripts/memory_report.py --snapshot`). It is the warm-up step's so that
-    the recording's host cost stays out of the profiled steps."""
+    the recording's host cost stays out of the profiled steps. The GPU is synchronized as the
+    profiled steps begin and end, so their trace holds their own kernels and no others (its first
+    few launches may then show the GPU waiting for the host, which a steady step hides)."""
 
     def __init__(self, run_dir: str, steps: int, skip: int, rank: int, device: torch.device) -> None:
         self.out_dir, self.rank, self.on_gpu = os.path.join(run_dir, "profile"), rank, device.type == "cuda"
         self.profiler = None
-        self.steps_done, self.skip = 0, skip
+        self.steps_done, self.skip, self.steps = 0, skip, steps
         if steps > 0:
             if self.on_gpu and skip == 0:
                 self._record_memory()
@@ -34,13 +36,21 @@ class StepProfiler:
             self.profiler.start()
 
     def step(self) -> None:
-        if self.profiler is not None:
-            self.profiler.step()
-            self.steps_done += 1
-            if self.on_gpu and self.steps_done == self.skip:
-                self._record_memory()
-            elif self.on_gpu and self.steps_done == self.skip + 1:
-                self._dump_memory()
+        if self.profiler is None:
+            return
+        if self.on_gpu and self.steps_done == self.skip:
+            # The warm-up step ends: its memory history is written and its kernels finish before
+            # the profiled steps begin, so that neither the dump's host time (GPU idle) nor the
+            # warm-up step's queued kernels (its optimizer, say) land in their trace.
+            self._dump_memory()
+            torch.cuda.synchronize()
+        elif self.on_gpu and self.steps_done == self.skip + self.steps:
+            # The last profiled step's kernels finish inside the trace.
+            torch.cuda.synchronize()
+        self.profiler.step()
+        self.steps_done += 1
+        if self.on_gpu and self.steps_done == self.skip:
+            self._record_memory()
 
     def _record_memory(self) -> None:
         torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
