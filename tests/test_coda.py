@@ -381,6 +381,39 @@ def test_the_backward_drops_y_before_the_gate_up_dgrad():
     assert len(stages.y_alive) == 2 * cfg.n_layers and not any(stages.y_alive), stages.y_alive
 
 
+class DzWatchingStages(ReferenceStages):
+    """The reference stages, noting at every dSwiGLU whether the dz the last RoPE backward returned
+    (the next layer's QKV gradient, read by its dgrad and weight gradient) is still alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dz: weakref.ref | None = None
+        self.dz_alive: list[bool] = []
+
+    def rope_bwd(self, *args, **kwargs):
+        out = super().rope_bwd(*args, **kwargs)
+        self.dz = weakref.ref(out.dz)
+        return out
+
+    def gemm_dswiglu(self, *args, **kwargs):
+        if self.dz is not None:
+            self.dz_alive.append(self.dz() is not None)
+        return super().gemm_dswiglu(*args, **kwargs)
+
+
+def test_the_backward_drops_dz_before_the_mlp_backward():
+    """A shifted layer's backward runs the next layer's QKV backward, then its own MLP backward:
+    dz is dead by then (M × QKV width, 192 MiB at llama3_1b 4×8192, alive at the step's peak in
+    the GPU's memory history until this was tested)."""
+    cfg = CONFIGS["gqa2-L3"]
+    stages = DzWatchingStages()
+    model = CodaLlama(cfg, ResolvedBlock("coda", "reference", "sdpa", stages, sdpa_attention))
+    tokens, targets = batch(cfg, 2, 16, ignore=False)
+    model(tokens, targets).backward()
+    # The last layer's dSwiGLU comes before any RoPE backward; the other layers' after one.
+    assert stages.dz_alive == [False] * (cfg.n_layers - 1)
+
+
 class HeadDxWatchingStages(ReferenceStages):
     """The reference stages, noting at the last layer's dSwiGLU (the first in the backward) whether
     the LM head's saved dx is alive apart from the gradient dSwiGLU is given."""
