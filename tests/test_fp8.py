@@ -362,12 +362,11 @@ def test_the_model_lets_dswiglu_reuse_preact():
     assert calls == [True] * (2 * cfg.n_layers), calls
 
 
-def test_the_heads_dx_reaches_dswiglu_with_its_rows_alone():
-    """The last layer's dSwiGLU reads the LM head's dx rows only: its token-contiguous FP8 copy,
-    which only dW_down reads, is asked for after dSwiGLU (from dx with the rows' scale, the same
-    FP8 values), so that it is not alive there, where FP8 CODA's step peaks at llama3_1b widths
-    (64 MiB at 4×8192, `scripts/memory_report.py`). The middle layers' dx comes from the QKV dgrad's
-    epilogue in both orientations at once."""
+def test_every_layers_dx_reaches_dswiglu_with_its_rows_alone():
+    """Each dSwiGLU reads its dx (the LM head's, or the next layer's QKV dgrad's) as FP8 rows only:
+    the token-contiguous FP8 copy, which only dW_down reads, is asked for after dSwiGLU (from dx
+    with the rows' scale, the same FP8 values), so that it is not alive there, where FP8 CODA's
+    step peaks (64 MiB at llama3_1b 4×8192; `scripts/memory_report.py --snapshot`)."""
     events: list[tuple] = []
 
     class Ordering(ReferenceStages):
@@ -375,6 +374,12 @@ def test_the_heads_dx_reaches_dswiglu_with_its_rows_alone():
             quantized = super().quantize(x, to)
             events.append(("quantize", tuple(x.shape), to, quantized))
             return quantized
+
+        def gemm_rms_bwd_fp8(self, *args, dx_fp8=None, **kwargs):
+            out = super().gemm_rms_bwd_fp8(*args, dx_fp8=dx_fp8, **kwargs)
+            if dx_fp8 is not None:
+                events.append(("quantize", tuple(out.dx.shape), dx_fp8, out.dx_fp8))
+            return out
 
         def gemm_dswiglu(self, dout, *args, **kwargs):
             events.append(("dswiglu", dout))
@@ -387,13 +392,13 @@ def test_the_heads_dx_reaches_dswiglu_with_its_rows_alone():
     loss = model(tokens, targets)
     events.clear()
     loss.backward()
-    first = next(i for i, event in enumerate(events) if event[0] == "dswiglu")
-    dout = events[first][1]
-    (head_dx,) = [e for e in events[:first] if e[0] == "quantize" and e[3] is dout]
-    assert not head_dx[2].transposed and head_dx[2].rows, head_dx[2]
-    second = next(i for i, event in enumerate(events) if i > first and event[0] == "dswiglu")
-    later = [e for e in events[first:second] if e[0] == "quantize" and e[1] == head_dx[1]
-             and e[2].dtype == head_dx[2].dtype]
-    assert len(later) == 1 and later[0][2].transposed and not later[0][2].rows, later
-    assert later[0][2].scale is dout.scale
-    assert torch.equal(later[0][3].data.view(torch.uint8), dout.data.view(torch.uint8))
+    dswiglus = [i for i, event in enumerate(events) if event[0] == "dswiglu"] + [len(events)]
+    assert len(dswiglus) == cfg.n_layers + 1
+    for first, second in zip(dswiglus[:-1], dswiglus[1:], strict=True):
+        dout = events[first][1]
+        (dx,) = [e for e in events[:first] if e[0] == "quantize" and e[3] is dout]
+        assert not dx[2].transposed and dx[2].rows, dx[2]
+        # Its other copy: the one quantized with its scale before the next dSwiGLU.
+        later = [e for e in events[first:second] if e[0] == "quantize" and e[2].scale is dout.scale]
+        assert len(later) == 1 and later[0][2].transposed and not later[0][2].rows, later
+        assert torch.equal(later[0][3].data.view(torch.uint8), dout.data.view(torch.uint8))

@@ -190,12 +190,13 @@ def _mlp_forward(
 
 def _mlp_backward(
     s: StageBackend, saved: tuple[torch.Tensor | None, ...], dx2: torch.Tensor,
-    dx2_operand: torch.Tensor | Fp8Tensor, f: Fp8Step | None, layer: int, *, dx2_rows_only: bool = False,
+    dx2_operand: torch.Tensor | Fp8Tensor, f: Fp8Step | None, layer: int,
 ) -> tuple[torch.Tensor, ...]:
     """Backward of `_mlp_forward` given dx2, the full gradient of x_out, and dx2_operand, the same
-    as the down-projection's GEMM operand (dx2 itself, or its FP8 copy). `dx2_rows_only`: the FP8
-    copy was asked for without its token-contiguous orientation (`_head_dx_operand`), which the
-    down-projection's FP8 weight gradient then gets here, after dSwiGLU.
+    as the down-projection's GEMM operand (dx2 itself, or its FP8 copy). The FP8 copy holds dx2's
+    rows alone: the token-contiguous one, which only the down-projection's FP8 weight gradient
+    reads, is made here after dSwiGLU, so that it is not alive beside dSwiGLU's buffers (the last
+    layers' dSwiGLU is where FP8 CODA's step peaks; scripts/memory_report.py --snapshot).
 
     Returns (do, dx_in, dW_o, dγ_mlp, dW_gu, dW_down).
     """
@@ -217,9 +218,9 @@ def _mlp_backward(
     # preact is read here for the last time: its memory may hold dpreact's FP8 copies.
     dpreact, y, zdz = s.gemm_dswiglu(dx2_operand, dgrad_operand(w_down, w_down_scale), preact, **fp8_args,
                                      reuse_preact=True)
-    if wgrad_fp8 and dx2_rows_only:
+    if wgrad_fp8:
         # dW_down reads dx2 token-contiguous: that copy is made now, from dx2 with its rows' scale
-        # (the same FP8 values), so that it was not alive beside dSwiGLU's buffers.
+        # (the same FP8 values).
         dx2_operand = s.quantize(dx2, QuantizeTo(f.recipe.format_of(Operand.down_grad), dx2_operand.scale,
                                                  transposed=True, rows=False))
     dw_down = s.wgrad(dx2_operand if wgrad_fp8 else dx2, y)
@@ -258,13 +259,10 @@ _MLP_SAVED = 13  # number of tensors `_mlp_forward` hands to the backward
 
 def _head_mlp_backward(s: StageBackend, saved: tuple[torch.Tensor | None, ...], dx2: torch.Tensor,
                        f: Fp8Step | None, layer: int) -> tuple[torch.Tensor, ...]:
-    """`_mlp_backward` of the last layer, given dx2 from the LM head. With FP8, dx2's copy for the
-    down-projection's dgrad (in dSwiGLU) holds its rows alone: its token-contiguous copy, which only
-    dW_down reads, is made after dSwiGLU, so that it is not alive there (the last layer's dSwiGLU,
-    beside the LM head's weight gradient, is where FP8 CODA's step peaks: 64 MiB at llama3_1b
-    4×8192; scripts/memory_report.py)."""
+    """`_mlp_backward` of the last layer, given dx2 from the LM head (with FP8, its copy holds
+    its rows alone, as `_mlp_backward` takes it)."""
     dx2_operand = _quantize(s, f, layer, Operand.down_grad, dx2, transposed=False)
-    return _mlp_backward(s, saved, dx2, dx2_operand, f, layer, dx2_rows_only=True)
+    return _mlp_backward(s, saved, dx2, dx2_operand, f, layer)
 
 
 # ---- F4, the QKV GEMM with its epilogue, shared by the entry and the middle layers -------------
@@ -387,7 +385,11 @@ class _LayerFn(torch.autograd.Function):
         x2, r2, qkv, z, positions, gamma_next, w_qkv_next, w_scale, *qkv_params = saved
         s, c, f, layer = ctx.s, ctx.c, ctx.f, ctx.layer
         dz, zdz, *dqkv_params = _qkv_backward(s, c, dqkv, qkv, z, positions, *qkv_params, f, layer + 1)
-        dx2_fp8 = None if f is None else f.to(layer, Operand.down_grad)
+        # dx2's FP8 copy holds its rows alone (`_mlp_backward` makes the token-contiguous one).
+        dx2_fp8 = None
+        if f is not None:
+            to = f.to(layer, Operand.down_grad)
+            dx2_fp8 = QuantizeTo(to.dtype, to.scale, to.margin)
         dx2, dx2_operand, dgamma_next, dw_qkv_next = _qkv_gemm_backward(
             s, f, layer + 1, dz, w_qkv_next, w_scale, x2, gamma_next, r2, zdz, dx_residual, dx2_fp8)
         if f is not None:
