@@ -347,24 +347,28 @@ def test_a_width_the_cute_kernels_cannot_take_is_refused_at_construction():
         CodaLlama(cfg.replace(ffn_dim=104), cute)
 
 
-class YWatchingStages(ReferenceStages):
-    """The reference stages, noting at every norm backward whether the y the last dSwiGLU returned
-    is still alive."""
+class AliveWatchingStages(ReferenceStages):
+    """The reference stages, noting at every call of `check_at` whether the output `field` of the
+    last `made_by` call is still alive."""
 
-    def __init__(self) -> None:
+    def __init__(self, made_by: str, field: str, check_at: str) -> None:
         super().__init__()
-        self.y: weakref.ref | None = None
-        self.y_alive: list[bool] = []
+        self.made: weakref.ref | None = None
+        self.alive: list[bool] = []
+        make, check = getattr(self, made_by), getattr(self, check_at)
 
-    def gemm_dswiglu(self, *args, **kwargs):
-        out = super().gemm_dswiglu(*args, **kwargs)
-        self.y = weakref.ref(out.y)
-        return out
+        def making(*args, **kwargs):
+            out = make(*args, **kwargs)
+            self.made = weakref.ref(getattr(out, field))
+            return out
 
-    def gemm_rms_bwd(self, *args, **kwargs):
-        if self.y is not None:
-            self.y_alive.append(self.y() is not None)
-        return super().gemm_rms_bwd(*args, **kwargs)
+        def checking(*args, **kwargs):
+            if self.made is not None:
+                self.alive.append(self.made() is not None)
+            return check(*args, **kwargs)
+
+        setattr(self, made_by, making)
+        setattr(self, check_at, checking)
 
 
 def test_the_backward_drops_y_before_the_gate_up_dgrad():
@@ -373,32 +377,12 @@ def test_the_backward_drops_y_before_the_gate_up_dgrad():
     made the step's peak (a fake-tensor count of the cute model's live tensors: 6.57 → 6.23 GiB
     above the parameters with two layers)."""
     cfg = CONFIGS["gqa2-L3"]
-    stages = YWatchingStages()
+    stages = AliveWatchingStages("gemm_dswiglu", "y", check_at="gemm_rms_bwd")
     model = CodaLlama(cfg, ResolvedBlock("coda", "reference", "sdpa", stages, sdpa_attention))
     tokens, targets = batch(cfg, 2, 16, ignore=False)
     model(tokens, targets).backward()
     # Each layer's MLP norm backward (gate/up dgrad) and attention norm backward (QKV dgrad).
-    assert len(stages.y_alive) == 2 * cfg.n_layers and not any(stages.y_alive), stages.y_alive
-
-
-class DzWatchingStages(ReferenceStages):
-    """The reference stages, noting at every dSwiGLU whether the dz the last RoPE backward returned
-    (the next layer's QKV gradient, read by its dgrad and weight gradient) is still alive."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.dz: weakref.ref | None = None
-        self.dz_alive: list[bool] = []
-
-    def rope_bwd(self, *args, **kwargs):
-        out = super().rope_bwd(*args, **kwargs)
-        self.dz = weakref.ref(out.dz)
-        return out
-
-    def gemm_dswiglu(self, *args, **kwargs):
-        if self.dz is not None:
-            self.dz_alive.append(self.dz() is not None)
-        return super().gemm_dswiglu(*args, **kwargs)
+    assert len(stages.alive) == 2 * cfg.n_layers and not any(stages.alive), stages.alive
 
 
 def test_the_backward_drops_dz_before_the_mlp_backward():
@@ -406,12 +390,12 @@ def test_the_backward_drops_dz_before_the_mlp_backward():
     dz is dead by then (M × QKV width, 192 MiB at llama3_1b 4×8192, alive at the step's peak in
     the GPU's memory history until this was tested)."""
     cfg = CONFIGS["gqa2-L3"]
-    stages = DzWatchingStages()
+    stages = AliveWatchingStages("rope_bwd", "dz", check_at="gemm_dswiglu")
     model = CodaLlama(cfg, ResolvedBlock("coda", "reference", "sdpa", stages, sdpa_attention))
     tokens, targets = batch(cfg, 2, 16, ignore=False)
     model(tokens, targets).backward()
     # The last layer's dSwiGLU comes before any RoPE backward; the other layers' after one.
-    assert stages.dz_alive == [False] * (cfg.n_layers - 1)
+    assert stages.alive == [False] * (cfg.n_layers - 1)
 
 
 class HeadDxWatchingStages(ReferenceStages):

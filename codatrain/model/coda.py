@@ -141,6 +141,11 @@ def _wgrad_fp8(f: Fp8Step | None) -> bool:
     return f is not None and f.recipe.wgrad_fp8
 
 
+def _rows_alone(to: QuantizeTo) -> QuantizeTo:
+    """`to` without the token-contiguous copy the recipe may ask for."""
+    return QuantizeTo(to.dtype, to.scale, to.margin)
+
+
 def _quantize(s: StageBackend, f: Fp8Step | None, layer: int, operand: Operand,
               x: torch.Tensor, *, transposed: bool = True) -> torch.Tensor | Fp8Tensor:
     """x as a GEMM operand that no stage epilogue writes (attention's output, the head's dx);
@@ -148,7 +153,7 @@ def _quantize(s: StageBackend, f: Fp8Step | None, layer: int, operand: Operand,
     if f is None:
         return x
     to = f.to(layer, operand)
-    quantized = s.quantize(x, to if transposed else QuantizeTo(to.dtype, to.scale, to.margin))
+    quantized = s.quantize(x, to if transposed else _rows_alone(to))
     _record(f, layer, operand, quantized)
     return quantized
 
@@ -386,10 +391,7 @@ class _LayerFn(torch.autograd.Function):
         s, c, f, layer = ctx.s, ctx.c, ctx.f, ctx.layer
         dz, zdz, *dqkv_params = _qkv_backward(s, c, dqkv, qkv, z, positions, *qkv_params, f, layer + 1)
         # dx2's FP8 copy holds its rows alone (`_mlp_backward` makes the token-contiguous one).
-        dx2_fp8 = None
-        if f is not None:
-            to = f.to(layer, Operand.down_grad)
-            dx2_fp8 = QuantizeTo(to.dtype, to.scale, to.margin)
+        dx2_fp8 = None if f is None else _rows_alone(f.to(layer, Operand.down_grad))
         dx2, dx2_operand, dgamma_next, dw_qkv_next = _qkv_gemm_backward(
             s, f, layer + 1, dz, w_qkv_next, w_scale, x2, gamma_next, r2, zdz, dx_residual, dx2_fp8)
         if f is not None:
