@@ -8,7 +8,9 @@ makes its group of one itself, on an in-memory store, so it needs no port or tor
 
 from __future__ import annotations
 
+import atexit
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -17,6 +19,9 @@ import torch
 import torch.distributed as dist
 
 T = TypeVar("T")
+
+_GLOO_DRAIN_S = 0.25  # seconds a process that used gloo waits at exit for its worker threads
+_gloo_drain_registered = False
 
 
 @dataclass(frozen=True)
@@ -43,14 +48,28 @@ def resolve_device(name: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def _let_gloo_workers_finish() -> None:
+    """At exit, before the interpreter finalizes: sleep, which hands the GIL to gloo's worker
+    threads. One frees a finished collective (and the tensors it kept, some made in Python) after
+    its waiter has returned, and freeing a Python tensor takes the GIL; asked for while the
+    interpreter finalizes, it aborts the process ("terminate called without an active exception",
+    SIGABRT after a finished run; a CPU test job's core dump: the worker in ~AsyncBarrierWork →
+    ~AsyncAllgatherWork → decref_pyobject)."""
+    time.sleep(_GLOO_DRAIN_S)
+
+
 def init_distributed(device_name: str) -> DistInfo:
     """The process group (nccl on GPU, gloo on CPU): torchrun's processes when launched by it
     (WORLD_SIZE set), else this process alone. An existing group is kept."""
+    global _gloo_drain_registered
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = resolve_device(device_name, local_rank)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         device_id = device if device.type == "cuda" else None
+        if backend == "gloo" and not _gloo_drain_registered:
+            atexit.register(_let_gloo_workers_finish)
+            _gloo_drain_registered = True
         if "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend=backend, device_id=device_id)
         else:
