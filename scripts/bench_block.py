@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 from codatrain.kernels.attention import get_attention
-from codatrain.kernels.fp8 import QuantizeTo
+from codatrain.kernels.fp8 import Fp8Tensor, QuantizeTo
 from codatrain.kernels.resolve import resolve_block
 from codatrain.kernels.stages import IGNORE_INDEX, StageBackend, get_backend
 from codatrain.model.coda import CodaLayer, ForwardStep
@@ -600,7 +600,7 @@ def fp8_fns(s: StageBackend, x: Inputs) -> dict[str, dict[str, Callable]]:
     """Per FP8 GEMM stage (block.precision=fp8), forward and backward: the stage, cuBLAS's FP8 GEMM
     of its shape with per-tensor and with per-row scales (`torch._scaled_mm`, the same fp32
     accumulation, no fast accumulation), and the bf16 stage."""
-    from codatrain.kernels.cute import configs, fp8_bwd_stages, fp8_stages, gemm_bwd_stages
+    from codatrain.kernels.cute import configs, fp8_bwd_stages, fp8_stages, gemm_bwd_stages, quantize
 
     e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -640,6 +640,20 @@ def fp8_fns(s: StageBackend, x: Inputs) -> dict[str, dict[str, Callable]]:
                                             dgamma_partials[tiles], False)
         return call
 
+    # dSwiGLU with FP8 weight gradients: dpreact in both orientations, y token-contiguous alone.
+    dx_op, w_down_op = Fp8Tensor(dx8, one, x.x.dtype), Fp8Tensor(w_down8, one, x.x.dtype, None, w_down_t8)
+    dpre_to = QuantizeTo(e5m2, one, transposed=True)
+    y_to = QuantizeTo(e4m3, one, transposed=True, rows=False)
+
+    def dswiglu_in_chunks(chunks: int) -> Callable:
+        return lambda: fp8_bwd_stages.fp8_dgrad_dswiglu_quantized(dx_op, w_down_op, x.preact, dpre_to, y_to,
+                                                                  False, chunks)
+
+    def dswiglu_epilogue_then_quantize() -> None:
+        fp8_bwd_stages.fp8_gemm_dswiglu(dx8, w_down_t8, one, x.preact, *dswiglu_out, False)
+        quantize.quantize_to(dswiglu_out[0], dpre_to)
+        quantize.quantize_to(dswiglu_out[1], y_to)
+
     rope = gemm_stages_rope_args(x)
     return {
         "F1 out-proj + residual + x² → h FP8": {
@@ -660,6 +674,10 @@ def fp8_fns(s: StageBackend, x: Inputs) -> dict[str, dict[str, Callable]]:
             "stage": lambda: fp8_bwd_stages.fp8_gemm_dswiglu(dx8, w_down_t8, one, x.preact, *dswiglu_out,
                                                              False),
             **scaled_mm(dx8, w_down_t8), "bf16 stage": lambda: s.gemm_dswiglu(x.x, x.w_down, x.preact)},
+        "Bdswiglu+Q the same, with its FP8 copies as the model asks": {
+            "stage": dswiglu_in_chunks(fp8_bwd_stages.DSWIGLU_CHUNKS), **scaled_mm(dx8, w_down_t8),
+            **{f"stage, {n} chunks": dswiglu_in_chunks(n) for n in (1, 2, 8)},
+            "fused epilogue + quantize passes": dswiglu_epilogue_then_quantize},
         "Brms_gu gate/up dgrad + RMSNorm bwd": {
             "stage": rms_bwd(dpre8, w_gu_t8), **scaled_mm(dpre8, w_gu_t8),
             "bf16 stage": lambda: s.gemm_rms_bwd(x.preact, x.w_gu, x.x, x.gamma, x.rstd, x.zdz, x.x)},

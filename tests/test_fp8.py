@@ -320,11 +320,11 @@ def test_dpreacts_fp8_copies_take_the_memory_of_preact():
     exactly, rows first, the transposed copy on a 16-byte boundary. At llama3_1b 4×8192 that took
     FP8 CODA's peak from 0.75 GiB above bf16 CODA's to 0.006 (`scripts/memory_report.py`).
     Where the memory does not hold them, or would misalign the second, they are new tensors."""
-    from codatrain.kernels.cute.quantize import _fp8_buffers
+    from codatrain.kernels.cute.quantize import fp8_buffers
 
     e5m2 = torch.float8_e5m2
     preact = torch.zeros(32, 48, dtype=torch.bfloat16)
-    rows, transposed = _fp8_buffers(preact.shape, QuantizeTo(e5m2, None, transposed=True), preact.device,
+    rows, transposed = fp8_buffers(preact.shape, QuantizeTo(e5m2, None, transposed=True), preact.device,
                                     preact)
     assert rows.shape == (32, 48) and transposed.shape == (48, 32) and rows.dtype == transposed.dtype == e5m2
     base = preact.untyped_storage().data_ptr()
@@ -335,11 +335,11 @@ def test_dpreacts_fp8_copies_take_the_memory_of_preact():
     assert (preact.view(-1)[: 32 * 24] != 0).all() and (preact.view(-1)[32 * 24:] == 3.0).all()
     # The transposed copy alone goes at the start; the rows alone as well.
     alone = QuantizeTo(e5m2, None, transposed=True, rows=False)
-    assert _fp8_buffers(preact.shape, alone, preact.device, preact)[1].data_ptr() == base
+    assert fp8_buffers(preact.shape, alone, preact.device, preact)[1].data_ptr() == base
     # Too small, or a second copy that would start off a 16-byte boundary (9 × 8 bytes): new memory.
     for into, shape in ((torch.zeros(10, 48, dtype=torch.bfloat16), (32, 48)),
                         (torch.zeros(9, 8, dtype=torch.bfloat16), (9, 8))):
-        fresh = _fp8_buffers(shape, QuantizeTo(e5m2, None, transposed=True), into.device, into)
+        fresh = fp8_buffers(shape, QuantizeTo(e5m2, None, transposed=True), into.device, into)
         assert all(t.untyped_storage().data_ptr() != into.untyped_storage().data_ptr() for t in fresh)
 
 

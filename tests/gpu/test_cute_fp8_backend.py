@@ -37,6 +37,7 @@ from cute_check import (  # noqa: E402
 
 from codatrain.kernels import fp8  # noqa: E402
 from codatrain.kernels.cute import CuteStages  # noqa: E402
+from codatrain.kernels.cute.fp8_bwd_stages import fp8_dgrad_dswiglu_quantized, one_pass_dswiglu  # noqa: E402
 from codatrain.kernels.fp8 import Fp8Tensor, QuantizeTo  # noqa: E402
 from codatrain.kernels.stages import get_backend  # noqa: E402
 
@@ -197,21 +198,75 @@ def test_gemm_rms_bwd_fp8_stage(ref, cute, shape, consumer, residual, use_compil
           floor=FP8_ACCUMULATOR_FLOOR)
 
 
-def test_gemm_dswiglu_fp8_stage(ref, cute, shape, use_compile):
+# What the model asks of dSwiGLU: with FP8 weight gradients dpreact in both orientations and y
+# token-contiguous alone, with delayed scales (the cuBLAS dgrad and the dSwiGLU quantize pass); in
+# a run's first step dpreact's scale is current (the fused epilogue, then a quantize pass); the
+# row-major copies alone, as a caller with bf16 weight gradients would ask.
+DSWIGLU_OUTPUTS = ["both_delayed", "both_current", "rows"]
+
+
+def dswiglu_asked(outputs: str, fp32) -> tuple[QuantizeTo, QuantizeTo]:
+    dpre_to = asked(E5M2, fp32.dpreact, "current" if outputs == "both_current" else "delayed")
+    y_to = asked(E4M3, fp32.y, "delayed")
+    if outputs == "rows":
+        return dpre_to, y_to
+    return dpre_to._replace(transposed=True), y_to._replace(transposed=True, rows=False)
+
+
+def zdz_of_rounded_dy(dout: Fp8Tensor, w: Fp8Tensor, preact: torch.Tensor) -> torch.Tensor:
+    """dSwiGLU's ZdZ as the reference computes it, but from dy = dout·W rounded to preact's dtype:
+    the cuBLAS dgrad's output, which the one-pass path (and PyTorch's own FP8 recipe) reads."""
+    dy = fp8.matmul(as_fp32(dout), as_fp32(w)).to(preact.dtype).float()
+    g, u = preact.float()[:, 0::2], preact.float()[:, 1::2]
+    sig = torch.sigmoid(g)
+    dg, du = dy * u * sig * (1 + g * (1 - sig)), dy * g * sig
+    return (g * dg + u * du).sum(-1)
+
+
+def check_dswiglu_outputs(out, bf16, fp32, dpre_to: QuantizeTo, y_to: QuantizeTo,
+                          zdz_bf16: torch.Tensor | None = None) -> None:
+    """dpreact and y as asked; zdz within the FP8 accumulator's floor of the truth, or, where dy
+    was rounded to 16 bits before dSwiGLU (`zdz_bf16`: what that rounding alone gives), 2× that."""
+    check_operand("dpreact", out.dpreact, fp32.dpreact, dpre_to)
+    check_operand("y", out.y, fp32.y, y_to)
+    for name, written, to in (("dpreact", out.dpreact, dpre_to), ("y", out.y, y_to)):
+        assert (written.data_t is not None) == to.transposed, f"{name}: transposed copy {written.data_t}"
+        if to.transposed and to.rows:  # two copies written: the same values
+            same = torch.equal(written.data_t.view(torch.uint8), written.data.t().view(torch.uint8))
+            assert same, f"{name}: the transposed copy differs from the rows"
+    check("zdz", out.zdz, bf16.zdz if zdz_bf16 is None else zdz_bf16, fp32.zdz, floor=FP8_ACCUMULATOR_FLOOR)
+
+
+@pytest.mark.parametrize("outputs", DSWIGLU_OUTPUTS)
+def test_gemm_dswiglu_fp8_stage(ref, cute, shape, use_compile, outputs):
     dout = operand(randn(shape.tokens, shape.dim), E5M2)
     w = operand(randn(shape.dim, shape.ffn_dim, scale=shape.ffn_dim**-0.5))
     preact = randn(shape.tokens, 2 * shape.ffn_dim)
     bf16 = ref.gemm_dswiglu(dout, w, preact)
     fp32 = ref.gemm_dswiglu(as_fp32(dout), as_fp32(w), preact.float())
-    dpre_to, y_to = asked(E5M2, fp32.dpreact, "delayed"), asked(E4M3, fp32.y, "delayed")
+    dpre_to, y_to = dswiglu_asked(outputs, fp32)
 
     def run(dout, w, preact):
         return cute.gemm_dswiglu(dout, w, preact, dpreact_fp8=dpre_to, y_fp8=y_to)
 
-    out = staged(run, use_compile)(dout, w, preact)
-    check_operand("dpreact", out.dpreact, fp32.dpreact, dpre_to)
-    check_operand("y", out.y, fp32.y, y_to)
-    check("zdz", out.zdz, bf16.zdz, fp32.zdz, floor=FP8_ACCUMULATOR_FLOOR)
+    one_pass = one_pass_dswiglu(dpre_to, y_to)
+    check_dswiglu_outputs(staged(run, use_compile)(dout, w, preact), bf16, fp32, dpre_to, y_to,
+                          zdz_of_rounded_dy(dout, w, preact) if one_pass else None)
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_dswiglu_quantize_pass_over_ragged_tiles_and_chunks(ref, cute, chunks):
+    """The cuBLAS dgrad and the dSwiGLU quantize pass where 2F (5664) ends in half a 64-column
+    tile and the dgrad's column chunks are uneven (960, 960, 912 with three)."""
+    tokens, dim, ffn = 1008, 512, 2832
+    dout = operand(randn(tokens, dim), E5M2)
+    w = operand(randn(dim, ffn, scale=ffn**-0.5))
+    preact = randn(tokens, 2 * ffn)
+    bf16 = ref.gemm_dswiglu(dout, w, preact)
+    fp32 = ref.gemm_dswiglu(as_fp32(dout), as_fp32(w), preact.float())
+    dpre_to, y_to = dswiglu_asked("both_delayed", fp32)
+    out = fp8_dgrad_dswiglu_quantized(dout, w, preact, dpre_to, y_to, False, chunks=chunks)
+    check_dswiglu_outputs(type(bf16)(*out), bf16, fp32, dpre_to, y_to, zdz_of_rounded_dy(dout, w, preact))
 
 
 @pytest.mark.parametrize("gemm", ["dgrad", "wgrad"])
@@ -246,7 +301,7 @@ def test_fp8_fast_accum_everywhere(ref, shape, stage):
         "F4": lambda: test_gemm_rstd_rope_stage(ref, fast, shape, False),
         "Brms_gate_up": lambda: test_gemm_rms_bwd_fp8_stage(ref, fast, shape, "gate_up", True, False),
         "Brms_qkv": lambda: test_gemm_rms_bwd_fp8_stage(ref, fast, shape, "qkv", False, False),
-        "Bdswiglu": lambda: test_gemm_dswiglu_fp8_stage(ref, fast, shape, False),
+        "Bdswiglu": lambda: test_gemm_dswiglu_fp8_stage(ref, fast, shape, False, "both_delayed"),
     }[stage]
     with loosened(FAST_ACCUM_FACTOR, FAST_ACCUM_FLOOR):
         run()

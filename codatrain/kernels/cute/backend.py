@@ -29,7 +29,7 @@ from codatrain.kernels.cute import (
 )
 from codatrain.kernels.cute.common import empty, padded_width, rows_of_whole_vectors
 from codatrain.kernels.cute.configs import fp8_stage_config
-from codatrain.kernels.cute.fp8_bwd_stages import fp8_mm, k_major_t
+from codatrain.kernels.cute.fp8_bwd_stages import fp8_mm, k_major_t, one_pass_dswiglu
 from codatrain.kernels.cute.quantize import quantize_to
 from codatrain.kernels.fp8 import Fp8Recipe, Fp8Tensor, QuantizeTo, fp8_max, scale_from_amax
 from codatrain.kernels.stages import (
@@ -401,6 +401,13 @@ class CuteStages(StageBackend):
                      dpreact_fp8: QuantizeTo | None = None, y_fp8: QuantizeTo | None = None,
                      reuse_preact: bool = False) -> DSwigluOut:
         m, f2 = preact.shape
+        if isinstance(dout, Fp8Tensor) and one_pass_dswiglu(dpreact_fp8, y_fp8):
+            _check_fp8("gemm_dswiglu", dout, weight)
+            _check_activations("gemm_dswiglu", preact)
+            # dpreact's FP8 copies need memory of their own here (the pass reads preact as it
+            # writes them), where the dgrad's chunks keep the stage's maximum under the fused one's.
+            return DSwigluOut(*fp8_bwd_stages.fp8_dgrad_dswiglu_quantized(
+                dout, weight, preact.contiguous(), dpreact_fp8, y_fp8, self.fp8_fast_accum))
         out = DSwigluOut(empty(m, f2, like=preact), empty(m, f2 // 2, like=preact),
                          empty(m, like=preact, dtype=STAT))
         if isinstance(dout, Fp8Tensor):

@@ -300,11 +300,18 @@ def _fp8_backward_kernels(s: KernelShapes) -> list[KernelSpec]:
     st, m, d, f = CuteStages(s.fp8_fast_accum), _tokens(s), s.dim, s.ffn_dim
     grad, wgrad = _grad_dtype(s), s.fp8_wgrad
 
-    def dswiglu() -> object:
-        outputs = ({"y_fp8": _delayed(E4M3, True, rows=False), "dpreact_fp8": _delayed(grad, True)}
-                   if wgrad else {})
-        return st.gemm_dswiglu(_fp8(m, d, dtype=grad, transposed=wgrad), _fp8_weight(d, f), _act(m, 2 * f),
-                               **outputs)
+    def dswiglu(dpreact_scaling: str | None) -> Callable[[], object]:
+        # With FP8 outputs, a delayed dpreact scale takes the cuBLAS dgrad and the dSwiGLU quantize
+        # pass, a run's first step (current scaling) the fused epilogue and a quantize pass after it.
+        def build() -> object:
+            outputs = {}
+            if dpreact_scaling is not None:
+                dpreact_to = (_delayed(grad, True) if dpreact_scaling == "delayed"
+                              else QuantizeTo(grad, None, 0, transposed=True))
+                outputs = {"y_fp8": _delayed(E4M3, True, rows=False), "dpreact_fp8": dpreact_to}
+            return st.gemm_dswiglu(_fp8(m, d, dtype=grad, transposed=wgrad), _fp8_weight(d, f),
+                                   _act(m, 2 * f), **outputs)
+        return build
 
     def rms_bwd() -> object:
         inputs = (_fp8(m, 2 * f, dtype=grad, transposed=wgrad), _fp8_weight(2 * f, d), _act(m, d), _act(d),
@@ -316,7 +323,10 @@ def _fp8_backward_kernels(s: KernelShapes) -> list[KernelSpec]:
 
     outputs = ", outputs quantized into both orientations" if wgrad else ""
     return [
-        KernelSpec(f"dSwiGLU in the down-proj dgrad, FP8 operands{outputs}", dswiglu),
+        *([KernelSpec(f"dSwiGLU in the down-proj dgrad, FP8 operands{outputs}", dswiglu("delayed")),
+           KernelSpec(f"dSwiGLU in the down-proj dgrad, FP8 operands{outputs}, current scaling",
+                      dswiglu("current"))]
+          if wgrad else [KernelSpec("dSwiGLU in the down-proj dgrad, FP8 operands", dswiglu(None))]),
         KernelSpec(f"norm backward + residual gradient in the gate/up and QKV dgrads, FP8 operands{outputs}",
                    rms_bwd),
     ]

@@ -13,6 +13,12 @@ in the norm consumer's dgrad, dSwiGLU in the down-projection's dgrad) are QuACK 
 operands and the bf16 stages' epilogues, the accumulator first multiplied by 1/(s_a·s_b) (a 0-d
 device tensor, QuACK `Scalar`); the plain dgrad and wgrad are cuBLAS FP8 GEMMs (`torch._scaled_mm`,
 per-tensor scales, no fast accumulation), which have no epilogue to fuse.
+
+Where dSwiGLU's outputs are FP8 with delayed scales (FP8 weight gradients after a run's first step),
+the down-projection's dgrad is a cuBLAS FP8 GEMM instead, followed by one pass that does dSwiGLU and
+writes every FP8 copy the backward reads (`fp8_dgrad_dswiglu_quantized`): QuACK's promoted FP8
+mainloop under dSwiGLU's epilogue ran 1.75× `_scaled_mm` at 8B widths, and its 16-bit outputs
+needed quantize passes of their own after it (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -24,10 +30,11 @@ from quack.epilogue.frontend import pack, unpack
 from quack.epilogue.ops import ColVecLoad, ColVecReduce, RowVecLoad, RowVecReduce, Scalar, TileLoad
 from torch import Tensor
 
-from codatrain.kernels.cute.common import aligned16
+from codatrain.kernels.cute import quantize
+from codatrain.kernels.cute.common import aligned16, empty
 from codatrain.kernels.cute.fp8_stages import fp8_epilogue
 from codatrain.kernels.cute.pins import scaled_mm
-from codatrain.kernels.fp8 import Fp8Tensor
+from codatrain.kernels.fp8 import Fp8Tensor, QuantizeTo
 
 
 def k_major_t(operand: Fp8Tensor) -> Tensor:
@@ -113,8 +120,56 @@ def fp8_gemm_dswiglu(
 
 
 def fp8_mm(a: Tensor, a_inv_scale: Tensor, b_t: Tensor, b_inv_scale: Tensor,
-           out_dtype: torch.dtype) -> Tensor:
+           out_dtype: torch.dtype, fast_accum: bool = False) -> Tensor:
     """a (M, K) · b (K, N) for FP8 a and b_t = bᵀ (N, K), both contiguous (K-major), with per-tensor
-    dequantization scales (0-d fp32 device tensors), accumulated in fp32 without fast accumulation."""
+    dequantization scales (0-d fp32 device tensors), accumulated in fp32 (periodically promoted
+    from the tensor cores' accumulator unless `fast_accum`)."""
     return scaled_mm(a, b_t.t(), scale_a=a_inv_scale, scale_b=b_inv_scale, out_dtype=out_dtype,
-                     use_fast_accum=False)
+                     use_fast_accum=fast_accum)
+
+
+# ---- dSwiGLU after a cuBLAS FP8 dgrad, its outputs quantized in the same pass ------------------------
+# dy is made in column chunks, so that only a chunk of it is alive beside preact and dpreact's FP8
+# copies: with DSWIGLU_CHUNKS = 4 the stage holds 9.5 F bytes a row at most (preact 4F, dpreact's
+# FP8 copies 4F, y's F, a dy chunk F/2), under the 10 F of the epilogue path (preact, dpreact and y
+# in 16 bits), where the FP8 step's memory peaks.
+DSWIGLU_CHUNKS = 4
+
+
+def one_pass_dswiglu(dpreact_fp8: QuantizeTo | None, y_fp8: QuantizeTo | None) -> bool:
+    """Whether `fp8_dgrad_dswiglu_quantized` can write what the caller asks: dpreact and y in FP8
+    with scales known before the pass (delayed), dpreact in both orientations (or transposed
+    alone), y token-contiguous alone (its weight gradient is its only reader)."""
+    return (dpreact_fp8 is not None and y_fp8 is not None and dpreact_fp8.scale is not None
+            and y_fp8.scale is not None and dpreact_fp8.transposed and y_fp8.transposed and not y_fp8.rows)
+
+
+def fp8_dgrad_dswiglu_quantized(
+    dout: Fp8Tensor, weight: Fp8Tensor, preact: Tensor, dpreact_fp8: QuantizeTo, y_fp8: QuantizeTo,
+    fast_accum: bool, chunks: int = DSWIGLU_CHUNKS,
+) -> tuple[Fp8Tensor, Fp8Tensor, Tensor]:
+    """(dpreact, y, zdz) of `gemm_dswiglu` on FP8 dout (M, d) and W_down (d, F), preact (M, 2F):
+    dy = dout·W_down by cuBLAS (`fp8_mm`) in `chunks` column chunks of whole 32-column tiles,
+    each turned by `quantize.dswiglu_quantize_fp8` into its columns of dpreact and y in FP8 (as
+    `one_pass_dswiglu` asks) and its ZdZ partials."""
+    m, f2 = preact.shape
+    f = f2 // 2
+    dp, dp_t = quantize.fp8_buffers((m, f2), dpreact_fp8, preact.device)
+    y_t = empty(f, m, like=preact, dtype=y_fp8.dtype)
+    tiles = quantize.transpose_tiles(m, f2)
+    dp_amax, y_amax = (empty(*tiles, like=preact, dtype=torch.float32) for _ in range(2))
+    zdz = torch.zeros(m, dtype=torch.float32, device=preact.device)
+    w_t, a_inv, w_inv = k_major_t(weight), dout.scale.reciprocal(), weight.scale.reciprocal()
+    tile_pairs = quantize.TRANSPOSE_TILE[1] // 2
+    chunk = -(-f // (chunks * tile_pairs)) * tile_pairs
+    for start in range(0, f, chunk):
+        dy = fp8_mm(dout.data, a_inv, w_t[start:start + chunk], w_inv, preact.dtype, fast_accum)
+        dsum = empty(m, -(-dy.shape[1] // tile_pairs), like=preact, dtype=torch.float32)
+        quantize.dswiglu_quantize_fp8(dy, preact, dpreact_fp8.scale, y_fp8.scale, dp, dp_t, y_t,
+                                      dp_amax, y_amax, dsum, 2 * start)
+        del dy  # before the next chunk's
+        zdz += dsum.sum(1)
+    dpreact = Fp8Tensor(dp if dp is not None else dp_t.t(), dpreact_fp8.scale, preact.dtype, dp_amax.amax(),
+                        dp_t)
+    y = Fp8Tensor(y_t.t(), y_fp8.scale, preact.dtype, y_amax.amax(), y_t)
+    return dpreact, y, zdz

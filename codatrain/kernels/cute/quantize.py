@@ -10,17 +10,20 @@ range (PTX `cvt.rn.satfinite`), as `codatrain.kernels.fp8.quantize` clamps.
 
 from __future__ import annotations
 
+import operator
+
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import Float32, const_expr
+from quack.activation import dswiglu
 from quack.cache import jit_cache
 from quack.compile_utils import make_fake_stream, make_fake_tensor
 from quack.copy_utils import get_copy_atom, tiled_copy_1d
 from quack.cute_dsl_utils import torch2cute_dtype_map
 from quack.dsl.torch_library_op import cute_op
-from quack.reduce import row_reduce
+from quack.reduce import row_reduce, warp_reduce
 from torch import Tensor
 
 from codatrain.kernels.cute.common import RowTiling, copy_masked
@@ -122,6 +125,44 @@ _TRANSPOSE_THREADS = 256
 _SEGMENT = 16  # rows of x (bytes of an out_t row) one thread gathers and stores at once
 
 
+def _max_abs(values: cute.TensorSSA) -> Float32:
+    """max |v| over fp32 values as max(max v, −min v): no |v| temporary, and zero fill is neutral."""
+    return cute.arch.fmax(values.reduce(cute.ReductionOp.MAX, -Float32.inf, 0),
+                          -values.reduce(cute.ReductionOp.MIN, Float32.inf, 0))
+
+
+@cute.jit
+def _store_transposed(tile: cute.Tensor, mOutT: cute.Tensor, scale: Float32, tidx: cutlass.Int32,
+                      row0: cutlass.Int32, col0: cutlass.Int32, n_rows: cutlass.Int32, n_cols: cutlass.Int32,
+                      tile_cols: cutlass.Constexpr[int], store: cutlass.Constexpr[int]) -> None:
+    """Phase 2 of the transposing passes: FP8(tile·scale)ᵀ into out_t, the tile (128 rows of x,
+    `tile_cols` columns, staged in shared memory with 8-element vectors XOR-swizzled by their
+    16-row segment) at x's (row0, col0), masked to x's (n_rows, n_cols). Lane group t // 8 takes
+    a column, lane t % 8 its rows [16 (t % 8), +16): the column's 128 rows as 128 contiguous bytes
+    of out_t."""
+    segments = const_expr(TRANSPOSE_TILE[0] // _SEGMENT)  # lanes per column
+    cols_per_pass = const_expr(_TRANSPOSE_THREADS // segments)
+    vectors_per_row = const_expr(tile_cols // _VEC)
+    out_atom = get_copy_atom(mOutT.element_type, store)
+    seg = tidx % segments
+    swizzle = seg % vectors_per_row
+    out_col = row0 + seg * _SEGMENT
+    for k in cutlass.range_constexpr(max(tile_cols // cols_per_pass, 1)):
+        c = tidx // segments + k * cols_per_pass
+        out_row = col0 + c
+        if c < tile_cols and out_row < n_cols:
+            tTr = cute.make_rmem_tensor((_SEGMENT,), tile.element_type)
+            physical = ((c // _VEC) ^ swizzle) * _VEC + c % _VEC
+            for i in cutlass.range_constexpr(_SEGMENT):
+                tTr[i] = tile[seg * _SEGMENT + i, physical]
+            tTo = cute.make_rmem_tensor((_SEGMENT,), mOutT.element_type)
+            tTo.store((tTr.load().to(Float32) * scale).to(mOutT.element_type))
+            for j in cutlass.range_constexpr(_SEGMENT // store):
+                if out_col + j * store < n_rows:
+                    cute.copy(out_atom, cute.local_tile(tTo, (store,), (j,)),
+                              cute.local_tile(mOutT[out_row, None], (store,), (out_col // store + j,)))
+
+
 class QuantizeTransposeKernel:
     """out_t = FP8(x·scale)ᵀ (C, R), out = FP8(x·scale) (R, C) [optional], both row-major, and
     tile_amax[i, j] = max |x| over the (128 × 64) tile (i, j); one tile per CTA.
@@ -161,9 +202,6 @@ class QuantizeTransposeKernel:
         rows_per_pass = const_expr(_TRANSPOSE_THREADS // runs_per_row)
         row_steps = const_expr(tile_rows // rows_per_pass)
         vectors_per_row = const_expr(tile_cols // _VEC)
-        segments = const_expr(tile_rows // _SEGMENT)  # lanes per column in the gather
-        cols_per_pass = const_expr(_TRANSPOSE_THREADS // segments)
-        col_steps = const_expr(tile_cols // cols_per_pass)
         tidx, _, _ = cute.arch.thread_idx()
         tile_row, tile_col, _ = cute.arch.block_idx()
         n_rows, n_cols = mX.shape[0], mX.shape[1]
@@ -194,9 +232,7 @@ class QuantizeTransposeKernel:
             r = r_first + s * rows_per_pass
             row = row0 + r
             x = loaded[s].load().to(Float32)
-            high = x.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
-            low = x.reduce(cute.ReductionOp.MIN, Float32.inf, 0)
-            local_max = cute.arch.fmax(local_max, cute.arch.fmax(high, -low))
+            local_max = cute.arch.fmax(local_max, _max_abs(x))
             swizzle = (r // _SEGMENT) % vectors_per_row
             for half in cutlass.range_constexpr(2):
                 cute.copy(in_atom, cute.local_tile(loaded[s], (_VEC,), (half,)),
@@ -210,25 +246,7 @@ class QuantizeTransposeKernel:
                                   cute.local_tile(mOut[row, None], (store,), (col // store + k,)))
         cute.arch.barrier()
 
-        # Phase 2: lane group t // 8 takes a column, lane t % 8 its rows [16 (t % 8), +16): the
-        # column's 128 rows as 128 contiguous bytes of out_t; col_steps columns per thread.
-        seg = tidx % segments
-        swizzle = seg % vectors_per_row
-        out_col = row0 + seg * _SEGMENT
-        for k in cutlass.range_constexpr(col_steps):
-            c = tidx // segments + k * cols_per_pass
-            out_row = col0 + c
-            if out_row < n_cols:
-                tTr = cute.make_rmem_tensor((_SEGMENT,), self.dtype)
-                physical = ((c // _VEC) ^ swizzle) * _VEC + c % _VEC
-                for i in cutlass.range_constexpr(_SEGMENT):
-                    tTr[i] = tile[seg * _SEGMENT + i, physical]
-                tTo = cute.make_rmem_tensor((_SEGMENT,), self.out_dtype)
-                tTo.store((tTr.load().to(Float32) * scale).to(self.out_dtype))
-                for j in cutlass.range_constexpr(_SEGMENT // store):
-                    if out_col + j * store < n_rows:
-                        cute.copy(out_atom, cute.local_tile(tTo, (store,), (j,)),
-                                  cute.local_tile(mOutT[out_row, None], (store,), (out_col // store + j,)))
+        _store_transposed(tile, mOutT, scale, tidx, row0, col0, n_rows, n_cols, tile_cols, store)
 
         tile_max = row_reduce(local_max, cute.ReductionOp.MAX, _TRANSPOSE_THREADS, max_buffer, init_val=0.0)
         if tidx == 0:
@@ -270,8 +288,8 @@ def quantize_transpose_fp8(
     compiled(x, scale.reshape(1), out, out_t, tile_amax)
 
 
-def _fp8_buffers(shape: torch.Size, to: QuantizeTo, device: torch.device,
-                 into: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+def fp8_buffers(shape: tuple[int, int], to: QuantizeTo, device: torch.device,
+                into: Tensor | None = None) -> tuple[Tensor | None, Tensor | None]:
     """(rows, transposed) FP8 outputs of an (R, C) quantize pass as `to` asks (None: not asked),
     in `into`'s memory when it holds them (the rows first, then the transposed copy on the next
     byte, which must start on a 16-byte boundary, as the kernels' stores do), else new."""
@@ -304,16 +322,189 @@ def quantize_to(x: Tensor, to: QuantizeTo, dtype: torch.dtype | None = None, *,
     amax = torch.linalg.vector_norm(rows, float("inf")).float() if current else None
     scale = scale_from_amax(amax, fp8_max(to.dtype), to.margin) if current else to.scale
     if to.transposed:
-        out, out_t = _fp8_buffers(rows.shape, to, x.device, into)
+        out, out_t = fp8_buffers(rows.shape, to, x.device, into)
         tile_amax = torch.empty(transpose_tiles(*rows.shape), dtype=torch.float32, device=x.device)
         quantize_transpose_fp8(rows, scale, out, out_t, tile_amax)
         partial_amax = tile_amax
         if out is None:
             out = out_t.t()  # the operand's values in its own shape, read only through data_t
     else:
-        out, out_t = _fp8_buffers(rows.shape, to, x.device, into)
+        out, out_t = fp8_buffers(rows.shape, to, x.device, into)
         partial_amax = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
         quantize_fp8(rows, scale, out, partial_amax)
     return Fp8Tensor(out.view(x.shape), scale, dtype or x.dtype, amax if current else partial_amax.amax(),
                      out_t)
 
+
+
+# ---- dSwiGLU into both orientations ------------------------------------------------------------------
+# With FP8 weight gradients the down-projection's dgrad is a cuBLAS FP8 GEMM (QuACK's promoted FP8
+# mainloop with dSwiGLU in its epilogue ran 1.75× `_scaled_mm` at 8B widths, docs/benchmarks.md),
+# and this pass turns its output dy into every tensor the rest of the MLP backward reads, from one
+# read of dy and the pre-activation: dpreact in FP8 (both orientations), y's token-contiguous FP8
+# copy and the norm's ZdZ partials. dpreact and y are rounded to 16 bits before their FP8 copies
+# are made, as the epilogue-then-quantize path rounds them.
+class DSwigluQuantizeKernel:
+    """Over preact's columns [col_base, col_base + 2 Fc), with dy (M, Fc) that column chunk of the
+    dgrad's output dy·W_down and preact (M, 2F) the (g, u) pairs interleaved:
+    dpreact = (dg, du) interleaved (dg = dy·u·silu'(g), du = dy·silu(g)) and y = silu(g)·u, written
+    as dp = FP8(dpreact·s_dp) (M, 2F) [optional] and dp_t (2F, M), y_t = FP8(y·s_y)ᵀ (F, M);
+    dp_amax and y_amax per 128 × 64 tile of preact; dsum[m, t] = Σ g·dg + u·du over the pairs of
+    row m in the chunk's t-th tile. One tile per CTA: phase 1 as the transposing pass's (a
+    thread's 16-column run is 8 pairs, their 8 dy one 16-byte load), phase 2 its gather, for
+    dpreact and then y (32 columns). M a multiple of 8, 2F and 2 Fc of 16."""
+
+    def __init__(self, dtype: type, dp_dtype: type, y_dtype: type, rows_out: bool, store_elems: int) -> None:
+        self.dtype, self.dp_dtype, self.y_dtype = dtype, dp_dtype, y_dtype
+        self.rows_out, self.store_elems = rows_out, store_elems
+
+    @cute.jit
+    def __call__(self, mDy: cute.Tensor, mPreact: cute.Tensor, mDpScale: cute.Tensor, mYScale: cute.Tensor,
+                 mDp: cute.Tensor | None, mDpT: cute.Tensor, mYT: cute.Tensor, mDpAmax: cute.Tensor,
+                 mYAmax: cute.Tensor, mDsum: cute.Tensor, col_base: cutlass.Int32, stream: cuda.CUstream):
+        tile_rows, tile_cols = TRANSPOSE_TILE
+        grid_rows = (mDy.shape[0] + tile_rows - 1) // tile_rows
+        grid_cols = (2 * mDy.shape[1] + tile_cols - 1) // tile_cols
+        self.kernel(mDy, mPreact, mDpScale, mYScale, mDp, mDpT, mYT, mDpAmax, mYAmax, mDsum, col_base).launch(
+            grid=[grid_rows, grid_cols, 1], block=[_TRANSPOSE_THREADS, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, mDy: cute.Tensor, mPreact: cute.Tensor, mDpScale: cute.Tensor, mYScale: cute.Tensor,
+               mDp: cute.Tensor | None, mDpT: cute.Tensor, mYT: cute.Tensor, mDpAmax: cute.Tensor,
+               mYAmax: cute.Tensor, mDsum: cute.Tensor, col_base: cutlass.Int32):
+        tile_rows, tile_cols = const_expr(TRANSPOSE_TILE[0]), const_expr(TRANSPOSE_TILE[1])
+        run, pairs = const_expr(2 * _VEC), const_expr(_VEC)  # preact columns, and pairs, of a run
+        runs_per_row = const_expr(tile_cols // run)
+        rows_per_pass = const_expr(_TRANSPOSE_THREADS // runs_per_row)
+        row_steps = const_expr(tile_rows // rows_per_pass)
+        tidx, _, _ = cute.arch.thread_idx()
+        tile_row, chunk_tile_col, _ = cute.arch.block_idx()
+        n_rows, col_end = mDy.shape[0], col_base + 2 * mDy.shape[1]
+        tile_col = col_base // tile_cols + chunk_tile_col
+        row0, col0 = tile_row * tile_rows, col_base + chunk_tile_col * tile_cols
+        smem = cutlass.utils.SmemAllocator()
+        dp_tile = smem.allocate_tensor(
+            self.dtype, cute.make_layout((tile_rows, tile_cols), stride=(tile_cols, 1)), byte_alignment=16)
+        y_tile = smem.allocate_tensor(
+            self.dtype, cute.make_layout((tile_rows, tile_cols // 2), stride=(tile_cols // 2, 1)),
+            byte_alignment=16)
+        num_warps = const_expr(_TRANSPOSE_THREADS // cute.arch.WARP_SIZE)
+        dp_max_buffer, y_max_buffer = (
+            smem.allocate_tensor(Float32, cute.make_layout((1, (num_warps, 1))), byte_alignment=8)
+            for _ in range(2)
+        )
+        dp_scale, y_scale = mDpScale[0], mYScale[0]
+        in_atom = get_copy_atom(self.dtype, _VEC)
+        store = const_expr(self.store_elems)
+        out_atom = get_copy_atom(self.dp_dtype, store)
+
+        # Phase 1: thread t owns run t % 4 (8 pairs) of rows t // 4 + 64 s. All loads first.
+        r_first, run_idx = tidx // runs_per_row, tidx % runs_per_row
+        col = col0 + run_idx * run
+        pre_runs = [cute.make_rmem_tensor((run,), self.dtype) for _ in range(row_steps)]
+        dy_runs = [cute.make_rmem_tensor((pairs,), self.dtype) for _ in range(row_steps)]
+        for s in cutlass.range_constexpr(row_steps):
+            pre_runs[s].fill(0)
+            dy_runs[s].fill(0)
+            row = row0 + r_first + s * rows_per_pass
+            if row < n_rows and col < col_end:  # runs are whole: col_end is a multiple of 16
+                for half in cutlass.range_constexpr(2):
+                    cute.copy(in_atom, cute.local_tile(mPreact[row, None], (_VEC,), (col // _VEC + half,)),
+                              cute.local_tile(pre_runs[s], (_VEC,), (half,)))
+                cute.copy(in_atom, cute.local_tile(mDy[row, None], (_VEC,), ((col - col_base) // run,)),
+                          dy_runs[s])
+        dp_max, y_max = Float32(0.0), Float32(0.0)
+        for s in cutlass.range_constexpr(row_steps):
+            r = r_first + s * rows_per_pass
+            row = row0 + r
+            pre = cute.make_rmem_tensor((run,), Float32)
+            pre.store(pre_runs[s].load().to(Float32))
+            dy = cute.make_rmem_tensor((pairs,), Float32)
+            dy.store(dy_runs[s].load().to(Float32))
+            dp = cute.make_rmem_tensor((run,), Float32)
+            y = cute.make_rmem_tensor((pairs,), Float32)
+            dsum = Float32(0.0)
+            for i in cutlass.range_constexpr(pairs):
+                g, u = pre[2 * i], pre[2 * i + 1]
+                dg, du, y_i = dswiglu(g, u, dy[i])
+                dp[2 * i] = dg
+                dp[2 * i + 1] = du
+                y[i] = y_i
+                dsum += g * dg + u * du
+            # dsum over the row's 32 pairs of this tile: the 4 adjacent lanes of the row's runs.
+            dsum = warp_reduce(dsum, operator.add, threads_in_group=runs_per_row)
+            if run_idx == 0 and row < n_rows:
+                mDsum[row, chunk_tile_col] = dsum
+            dp16 = cute.make_rmem_tensor((run,), self.dtype)
+            dp16.store(dp.load().to(self.dtype))
+            y16 = cute.make_rmem_tensor((pairs,), self.dtype)
+            y16.store(y.load().to(self.dtype))
+            dp_values, y_values = dp16.load().to(Float32), y16.load().to(Float32)
+            dp_max = cute.arch.fmax(dp_max, _max_abs(dp_values))
+            y_max = cute.arch.fmax(y_max, _max_abs(y_values))
+            segment = r // _SEGMENT
+            for half in cutlass.range_constexpr(2):
+                cute.copy(in_atom, cute.local_tile(dp16, (_VEC,), (half,)),
+                          cute.local_tile(dp_tile[r, None], (_VEC,),
+                                          ((run_idx * 2 + half) ^ (segment % (tile_cols // _VEC)),)))
+            cute.copy(in_atom, y16,
+                      cute.local_tile(y_tile[r, None], (_VEC,), (run_idx ^ (segment % (tile_cols // run)),)))
+            if const_expr(self.rows_out):
+                out = cute.make_rmem_tensor((run,), self.dp_dtype)
+                out.store((dp_values * dp_scale).to(self.dp_dtype))
+                for k in cutlass.range_constexpr(run // store):
+                    if row < n_rows and col < col_end:
+                        cute.copy(out_atom, cute.local_tile(out, (store,), (k,)),
+                                  cute.local_tile(mDp[row, None], (store,), (col // store + k,)))
+        cute.arch.barrier()
+
+        _store_transposed(dp_tile, mDpT, dp_scale, tidx, row0, col0, n_rows, col_end, tile_cols, store)
+        _store_transposed(y_tile, mYT, y_scale, tidx, row0, col0 // 2, n_rows, col_end // 2, tile_cols // 2,
+                          store)
+
+        threads = const_expr(_TRANSPOSE_THREADS)
+        dp_tile_max = row_reduce(dp_max, cute.ReductionOp.MAX, threads, dp_max_buffer, init_val=0.0)
+        y_tile_max = row_reduce(y_max, cute.ReductionOp.MAX, threads, y_max_buffer, init_val=0.0)
+        if tidx == 0:
+            mDpAmax[tile_row, tile_col] = dp_tile_max
+            mYAmax[tile_row, tile_col] = y_tile_max
+
+
+@jit_cache
+def compile_dswiglu_quantize(dtype: type, dp_dtype: type, y_dtype: type, rows_out: bool, store_elems: int):
+    # width = 2 pairs; tiles: the amax grids' columns over the whole preact, chunk_tiles dsum's over dy's
+    rows, chunk, width, pairs, tiles, chunk_tiles = (cute.sym_int() for _ in range(6))
+    return cute.compile(
+        DSwigluQuantizeKernel(dtype, dp_dtype, y_dtype, rows_out, store_elems),
+        make_fake_tensor(dtype, (rows, chunk), divisibility=_VEC),
+        make_fake_tensor(dtype, (rows, width), divisibility=2 * _VEC),
+        make_fake_tensor(Float32, (1,)),
+        make_fake_tensor(Float32, (1,)),
+        make_fake_tensor(dp_dtype, (rows, width), divisibility=2 * _VEC) if rows_out else None,
+        make_fake_tensor(dp_dtype, (width, rows), divisibility=store_elems),
+        make_fake_tensor(y_dtype, (pairs, rows), divisibility=store_elems),
+        make_fake_tensor(Float32, (cute.sym_int(), tiles)),
+        make_fake_tensor(Float32, (cute.sym_int(), tiles)),
+        make_fake_tensor(Float32, (rows, chunk_tiles)),
+        cutlass.Int32(0),
+        make_fake_stream(),
+        options="--enable-tvm-ffi",
+    )
+
+
+@cute_op("codatrain::cute_dswiglu_quantize_fp8",
+         mutates_args=("dp", "dp_t", "y_t", "dp_amax", "y_amax", "dsum"), device_types="cuda")
+def dswiglu_quantize_fp8(
+    dy: Tensor, preact: Tensor, dp_scale: Tensor, y_scale: Tensor, dp: Tensor | None, dp_t: Tensor,
+    y_t: Tensor, dp_amax: Tensor, y_amax: Tensor, dsum: Tensor, col_base: int,
+) -> None:
+    """`DSwigluQuantizeKernel` over preact's columns [col_base, col_base + 2 Fc) for dy (M, Fc):
+    dp (M, 2F) [when given], dp_t (2F, M), y_t (F, M) FP8, dp_amax and y_amax (`transpose_tiles` of
+    the whole preact) fp32, dsum (M, 2 Fc / 64) fp32 the chunk's ZdZ partials. col_base a multiple
+    of 64, dy and preact contiguous 16-bit, M a multiple of 8, 2F and 2 Fc of 16."""
+    store_elems = 16 if dy.shape[0] % 16 == 0 and preact.shape[1] % 16 == 0 else 8
+    compiled = compile_dswiglu_quantize(torch2cute_dtype_map[dy.dtype], torch2cute_dtype_map[dp_t.dtype],
+                                        torch2cute_dtype_map[y_t.dtype], dp is not None, store_elems)
+    compiled(dy, preact, dp_scale.reshape(1), y_scale.reshape(1), dp, dp_t, y_t, dp_amax, y_amax, dsum,
+             col_base)
