@@ -654,6 +654,27 @@ def fp8_fns(s: StageBackend, x: Inputs) -> dict[str, dict[str, Callable]]:
         quantize.quantize_to(dswiglu_out[0], dpre_to)
         quantize.quantize_to(dswiglu_out[1], y_to)
 
+    # The norm backward with FP8 weight gradients: n token-contiguous alone, dx in both orientations
+    # (gate/up) or its rows alone (QKV).
+    n_to = QuantizeTo(e4m3, one, transposed=True, rows=False)
+    dx_both, dx_rows = QuantizeTo(e5m2, one, transposed=True), QuantizeTo(e5m2, one)
+    w_gu_op, w_qkv_op = (Fp8Tensor(w8, one, x.x.dtype, None, w_t8)
+                         for w8, w_t8 in ((w_gu8, w_gu_t8), (w_qkv8, w_qkv_t8)))
+
+    def rms_bwd_one_pass(dz8: torch.Tensor, w_op: Fp8Tensor, dx_to: QuantizeTo) -> Callable:
+        dz_op = Fp8Tensor(dz8, one, x.x.dtype)
+        norm = (x.x, x.gamma, x.rstd, x.zdz, x.x)  # x's own gradient stands for the residual's
+        return lambda: fp8_bwd_stages.fp8_dgrad_rms_bwd_quantized(dz_op, w_op, *norm, n_to, dx_to, False)
+
+    def rms_bwd_epilogue_then_quantize(dz8: torch.Tensor, w_t8: torch.Tensor, dx_to: QuantizeTo) -> Callable:
+        epilogue = rms_bwd(dz8, w_t8)
+
+        def call() -> None:
+            epilogue()
+            quantize.quantize_to(dx_out, dx_to)
+            quantize.quantize_to(n_out, n_to)
+        return call
+
     rope = gemm_stages_rope_args(x)
     return {
         "F1 out-proj + residual + x² → h FP8": {
@@ -684,6 +705,12 @@ def fp8_fns(s: StageBackend, x: Inputs) -> dict[str, dict[str, Callable]]:
         "Brms_qkv QKV dgrad + RMSNorm bwd": {
             "stage": rms_bwd(dqkv8, w_qkv_t8), **scaled_mm(dqkv8, w_qkv_t8),
             "bf16 stage": lambda: s.gemm_rms_bwd(x.dqkv, x.w_qkv, x.x, x.gamma, x.rstd, x.zdz, x.x)},
+        "Brms_gu+Q the same, with its FP8 copies as the model asks": {
+            "stage": rms_bwd_one_pass(dpre8, w_gu_op, dx_both), **scaled_mm(dpre8, w_gu_t8),
+            "fused epilogue + quantize passes": rms_bwd_epilogue_then_quantize(dpre8, w_gu_t8, dx_both)},
+        "Brms_qkv+Q the same, with its FP8 copies as the model asks": {
+            "stage": rms_bwd_one_pass(dqkv8, w_qkv_op, dx_rows), **scaled_mm(dqkv8, w_qkv_t8),
+            "fused epilogue + quantize passes": rms_bwd_epilogue_then_quantize(dqkv8, w_qkv_t8, dx_rows)},
     }
 
 

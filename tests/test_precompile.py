@@ -316,7 +316,7 @@ def test_precompile_fp8_for_sm90a(tmp_path):
         assert counts["compiled"] == 0 and counts["loaded"] >= 15, counts
         kernels = read_manifest(tmp_path)["configs"][shapes.key]["kernels"]
         stages = ("F1 out-proj on FP8", "F2 gate/up on FP8", "F3 down-proj on FP8", "F4 QKV on FP8",
-                  "dSwiGLU in the down-proj dgrad, FP8", "norm backward + residual gradient in the gate/up "
+                  "dSwiGLU in the down-proj dgrad, FP8", "norm backward + residual gradient of the gate/up "
                   "and QKV dgrads, FP8", "LM head linear cross-entropy")
         for stage in stages:
             assert any(name.startswith(stage) for name in kernels), f"{stage} missing from {kernels}"

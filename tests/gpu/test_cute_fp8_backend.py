@@ -37,7 +37,11 @@ from cute_check import (  # noqa: E402
 
 from codatrain.kernels import fp8  # noqa: E402
 from codatrain.kernels.cute import CuteStages  # noqa: E402
-from codatrain.kernels.cute.fp8_bwd_stages import fp8_dgrad_dswiglu_quantized, one_pass_dswiglu  # noqa: E402
+from codatrain.kernels.cute.fp8_bwd_stages import (  # noqa: E402
+    fp8_dgrad_dswiglu_quantized,
+    one_pass_dswiglu,
+    one_pass_rms_bwd,
+)
 from codatrain.kernels.fp8 import Fp8Tensor, QuantizeTo  # noqa: E402
 from codatrain.kernels.stages import get_backend  # noqa: E402
 
@@ -173,9 +177,24 @@ def test_rope_bwd_writes_dz_in_fp8(ref, cute, shape, scaling, use_compile):
     check("zdz", out.zdz, bf16.zdz, fp32.zdz)
 
 
+# What the model asks of the norm backward: with FP8 weight gradients n token-contiguous alone and
+# dx in both orientations (gate/up), its rows alone (QKV) or in 16 bits only (layer 0's QKV), with
+# delayed scales (the cuBLAS dgrad and the norm backward's quantize pass); "epilogue": row-major
+# copies, as a caller with bf16 weight gradients asks (the fused epilogue, then quantize passes).
+RMS_BWD_OUTPUTS = ["epilogue", "dx_both", "dx_rows", "dx_none"]
+
+
+def dgamma_of_rounded_dn(dz: Fp8Tensor, w: Fp8Tensor, x: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """dγ as the reference computes it, but from dn = dz·W rounded to x's dtype: the cuBLAS dgrad's
+    output, which the one-pass path (and PyTorch's own FP8 recipe) reads."""
+    dn = fp8.matmul(as_fp32(dz), as_fp32(w)).to(x.dtype).float()
+    return (dn * x.float() * rstd[:, None]).sum(0)
+
+
+@pytest.mark.parametrize("outputs", RMS_BWD_OUTPUTS)
 @pytest.mark.parametrize("residual", [True, False], ids=["residual", "no_residual"])
 @pytest.mark.parametrize("consumer", ["gate_up", "qkv"])
-def test_gemm_rms_bwd_fp8_stage(ref, cute, shape, consumer, residual, use_compile):
+def test_gemm_rms_bwd_fp8_stage(ref, cute, shape, consumer, residual, use_compile, outputs):
     n_out = 2 * shape.ffn_dim if consumer == "gate_up" else shape.qkv_dim
     dz = operand(randn(shape.tokens, n_out), E5M2)
     w = operand(randn(n_out, shape.dim, scale=n_out**-0.5))
@@ -186,15 +205,26 @@ def test_gemm_rms_bwd_fp8_stage(ref, cute, shape, consumer, residual, use_compil
     fp32 = ref.gemm_rms_bwd(as_fp32(dz), as_fp32(w), x.float(), g.float(), rstd, zdz,
                             None if grad is None else grad.float())
     n_to, dx_to = asked(E4M3, fp32.n, "delayed"), asked(E5M2, fp32.dx, "delayed")
+    if outputs != "epilogue":
+        n_to = n_to._replace(transposed=True, rows=False)
+        dx_to = {"dx_both": dx_to._replace(transposed=True), "dx_rows": dx_to, "dx_none": None}[outputs]
+    one_pass = one_pass_rms_bwd(n_to, dx_to)
+    assert one_pass == (outputs != "epilogue")
 
     def run(dz, w, x, g, rstd, zdz, grad):
         return cute.gemm_rms_bwd_fp8(dz, w, x, g, rstd, zdz, grad, n_fp8=n_to, dx_fp8=dx_to)
 
     out = staged(run, use_compile)(dz, w, x, g, rstd, zdz, grad)
     check("dx", out.dx, bf16.dx, fp32.dx)
-    check_operand("dx_fp8", out.dx_fp8, fp32.dx, dx_to)
+    if dx_to is not None:
+        check_operand("dx_fp8", out.dx_fp8, fp32.dx, dx_to)
+        assert (out.dx_fp8.data_t is not None) == dx_to.transposed
+        if dx_to.transposed:  # two copies written: the same values
+            assert torch.equal(out.dx_fp8.data_t.view(torch.uint8), out.dx_fp8.data.t().view(torch.uint8))
     check_operand("n", out.n, fp32.n, n_to)
-    check("dgamma", out.dgamma_partials.sum(0), bf16.dgamma_partials.sum(0), fp32.dgamma_partials.sum(0),
+    assert (out.n.data_t is not None) == n_to.transposed
+    dgamma_bf16 = dgamma_of_rounded_dn(dz, w, x, rstd) if one_pass else bf16.dgamma_partials.sum(0)
+    check("dgamma", out.dgamma_partials.sum(0), dgamma_bf16, fp32.dgamma_partials.sum(0),
           floor=FP8_ACCUMULATOR_FLOOR)
 
 
@@ -269,6 +299,14 @@ def test_dswiglu_quantize_pass_over_ragged_tiles_and_chunks(ref, cute, chunks):
     check_dswiglu_outputs(type(bf16)(*out), bf16, fp32, dpre_to, y_to, zdz_of_rounded_dy(dout, w, preact))
 
 
+def test_rms_bwd_quantize_pass_over_ragged_tiles(ref, cute):
+    """The cuBLAS dgrad and the norm backward's quantize pass where M (1008) ends in part of a
+    128-row tile and d (720) in part of a 64-column one."""
+    shape = Shape("ragged", tokens=1008, seq_len=1008, dim=720, n_heads=5, n_kv_heads=5, head_dim=144,
+                  ffn_dim=1024, vocab=1024)
+    test_gemm_rms_bwd_fp8_stage(ref, cute, shape, "gate_up", True, False, "dx_both")
+
+
 @pytest.mark.parametrize("gemm", ["dgrad", "wgrad"])
 def test_plain_fp8_gemms(ref, cute, shape, gemm, use_compile):
     # The out-projection's: dgrad dz·W_o and wgrad dzᵀ·o, dz in e5m2, W_o and o in e4m3.
@@ -293,14 +331,14 @@ FAST_ACCUM_FACTOR, FAST_ACCUM_FLOOR = 3.0, 2**-7
 
 @pytest.mark.parametrize("stage", ["F1", "F2", "F3", "F4", "Brms_gate_up", "Brms_qkv", "Bdswiglu"])
 def test_fp8_fast_accum_everywhere(ref, shape, stage):
-    fast = CuteStages(fp8_fast_accum=True)
+    fast, rms_bwd_stage = CuteStages(fp8_fast_accum=True), test_gemm_rms_bwd_fp8_stage
     run = {
         "F1": lambda: test_gemm_residual_rms_stage(ref, fast, shape, "out_proj", "delayed", False),
         "F2": lambda: test_gemm_rstd_swiglu_stage(ref, fast, shape, False),
         "F3": lambda: test_gemm_residual_rms_stage(ref, fast, shape, "down_proj", "current", False),
         "F4": lambda: test_gemm_rstd_rope_stage(ref, fast, shape, False),
-        "Brms_gate_up": lambda: test_gemm_rms_bwd_fp8_stage(ref, fast, shape, "gate_up", True, False),
-        "Brms_qkv": lambda: test_gemm_rms_bwd_fp8_stage(ref, fast, shape, "qkv", False, False),
+        "Brms_gate_up": lambda: rms_bwd_stage(ref, fast, shape, "gate_up", True, False, "dx_both"),
+        "Brms_qkv": lambda: rms_bwd_stage(ref, fast, shape, "qkv", False, False, "dx_rows"),
         "Bdswiglu": lambda: test_gemm_dswiglu_fp8_stage(ref, fast, shape, False, "both_delayed"),
     }[stage]
     with loosened(FAST_ACCUM_FACTOR, FAST_ACCUM_FLOOR):

@@ -29,7 +29,7 @@ from codatrain.kernels.cute import (
 )
 from codatrain.kernels.cute.common import empty, padded_width, rows_of_whole_vectors
 from codatrain.kernels.cute.configs import fp8_stage_config
-from codatrain.kernels.cute.fp8_bwd_stages import fp8_mm, k_major_t, one_pass_dswiglu
+from codatrain.kernels.cute.fp8_bwd_stages import fp8_mm, k_major_t, one_pass_dswiglu, one_pass_rms_bwd
 from codatrain.kernels.cute.quantize import quantize_to
 from codatrain.kernels.fp8 import Fp8Recipe, Fp8Tensor, QuantizeTo, fp8_max, scale_from_amax
 from codatrain.kernels.stages import (
@@ -392,6 +392,11 @@ class CuteStages(StageBackend):
         n_fp8: QuantizeTo,
         dx_fp8: QuantizeTo | None = None,
     ) -> RmsBwdFp8Out:
+        if one_pass_rms_bwd(n_fp8, dx_fp8):
+            _check_fp8("gemm_rms_bwd", dz, weight)
+            _check_activations("gemm_rms_bwd", x, gamma, *(() if residual_grad is None else (residual_grad,)))
+            return RmsBwdFp8Out(*fp8_bwd_stages.fp8_dgrad_rms_bwd_quantized(
+                dz, weight, x, gamma, rstd, zdz, residual_grad, n_fp8, dx_fp8, self.fp8_fast_accum))
         # dx and n leave the epilogue in the activation dtype: the wgrad reads n token-contiguous,
         # and dx feeds the residual path as well as the next dgrad.
         dx, n, dgamma_partials = self._fp8_rms_bwd(dz, weight, x, gamma, rstd, zdz, residual_grad)

@@ -313,22 +313,34 @@ def _fp8_backward_kernels(s: KernelShapes) -> list[KernelSpec]:
                                    _act(m, 2 * f), **outputs)
         return build
 
-    def rms_bwd() -> object:
-        inputs = (_fp8(m, 2 * f, dtype=grad, transposed=wgrad), _fp8_weight(2 * f, d), _act(m, d), _act(d),
-                  _stat(m), _stat(m), _act(m, d))
-        if wgrad:
-            return st.gemm_rms_bwd_fp8(*inputs, n_fp8=_delayed(E4M3, True, rows=False),
-                                       dx_fp8=_delayed(grad, True))
-        return st.gemm_rms_bwd(*inputs)
+    def rms_bwd(dx_asked: str | None = None) -> Callable[[], object]:
+        # With FP8 outputs and delayed scales, the cuBLAS dgrad and the norm backward's quantize pass,
+        # one variant per dx the model asks for: both orientations (gate/up: the out-projection's
+        # gradient), rows alone (QKV: the down-projection's), none (layer 0's QKV: the embedding's);
+        # a run's first step (current scaling) the fused epilogue and quantize passes after it.
+        def build() -> object:
+            inputs = (_fp8(m, 2 * f, dtype=grad, transposed=wgrad), _fp8_weight(2 * f, d), _act(m, d),
+                      _act(d), _stat(m), _stat(m), _act(m, d))
+            if dx_asked is None:
+                return st.gemm_rms_bwd(*inputs)
+            if dx_asked == "current":
+                return st.gemm_rms_bwd_fp8(*inputs, n_fp8=QuantizeTo(E4M3, None, 0, True, False),
+                                           dx_fp8=QuantizeTo(grad, None, 0, True))
+            dx_to = {"both": _delayed(grad, True), "rows": _delayed(grad), "none": None}[dx_asked]
+            return st.gemm_rms_bwd_fp8(*inputs, n_fp8=_delayed(E4M3, True, rows=False), dx_fp8=dx_to)
+        return build
 
     outputs = ", outputs quantized into both orientations" if wgrad else ""
+    rms_name = "norm backward + residual gradient of the gate/up and QKV dgrads, FP8 operands"
     return [
         *([KernelSpec(f"dSwiGLU in the down-proj dgrad, FP8 operands{outputs}", dswiglu("delayed")),
            KernelSpec(f"dSwiGLU in the down-proj dgrad, FP8 operands{outputs}, current scaling",
                       dswiglu("current"))]
           if wgrad else [KernelSpec("dSwiGLU in the down-proj dgrad, FP8 operands", dswiglu(None))]),
-        KernelSpec(f"norm backward + residual gradient in the gate/up and QKV dgrads, FP8 operands{outputs}",
-                   rms_bwd),
+        *([KernelSpec(f"{rms_name} after the dgrad{outputs}, dx in FP8: {asked}", rms_bwd(asked))
+           for asked in ("both", "rows", "none")]
+          + [KernelSpec(f"{rms_name} in the dgrad's epilogue{outputs}, current scaling", rms_bwd("current"))]
+          if wgrad else [KernelSpec(f"{rms_name} in the dgrad's epilogue", rms_bwd())]),
     ]
 
 

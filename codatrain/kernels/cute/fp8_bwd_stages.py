@@ -89,6 +89,44 @@ def fp8_gemm_rms_bwd(
     )
 
 
+# ---- the norm backward after a cuBLAS FP8 dgrad, its outputs quantized in the same pass -------------
+def one_pass_rms_bwd(n_fp8: QuantizeTo, dx_fp8: QuantizeTo | None) -> bool:
+    """Whether `fp8_dgrad_rms_bwd_quantized` can write what the caller asks: n token-contiguous
+    alone (its weight gradient is its only reader) and dx, when asked, in FP8 with scales known
+    before the pass (delayed)."""
+    return (n_fp8.scale is not None and n_fp8.transposed and not n_fp8.rows
+            and (dx_fp8 is None or dx_fp8.scale is not None))
+
+
+def fp8_dgrad_rms_bwd_quantized(
+    dz: Fp8Tensor, weight: Fp8Tensor, x: Tensor, gamma: Tensor, rstd: Tensor, zdz: Tensor,
+    residual_grad: Tensor | None, n_fp8: QuantizeTo, dx_fp8: QuantizeTo | None, fast_accum: bool,
+) -> tuple[Tensor, Tensor | Fp8Tensor, Fp8Tensor, Tensor]:
+    """(dx, dx as asked, n, dγ partials) of `gemm_rms_bwd_fp8` on FP8 dz (M, N) and W (N, d):
+    dn = dz·W by cuBLAS (`fp8_mm`), turned by `quantize.rms_bwd_quantize_fp8` into dx (16 bits and
+    FP8 as `dx_fp8` asks), n's transposed FP8 copy and the dγ partials of 128-row tiles, as
+    `one_pass_rms_bwd` asks."""
+    m, d = x.shape
+    dn = fp8_mm(dz.data, dz.scale.reciprocal(), k_major_t(weight), weight.scale.reciprocal(), x.dtype,
+                fast_accum)
+    dx = empty(m, d, like=x)
+    dxq, dxq_t = (None, None) if dx_fp8 is None else quantize.fp8_buffers((m, d), dx_fp8, x.device)
+    n_t = empty(d, m, like=x, dtype=n_fp8.dtype)
+    tiles = quantize.transpose_tiles(m, d)
+    dx_amax, n_amax = (empty(*tiles, like=x, dtype=torch.float32) for _ in range(2))
+    dgamma = empty(tiles[0], d, like=x, dtype=torch.float32)
+    # A scale the pass does not use when dx stays in 16 bits: n's, which is always there.
+    quantize.rms_bwd_quantize_fp8(dn, x, residual_grad, gamma, rstd, zdz,
+                                  n_fp8.scale if dx_fp8 is None else dx_fp8.scale, n_fp8.scale, dx, dxq,
+                                  dxq_t, n_t, dx_amax, n_amax, dgamma)
+    n = Fp8Tensor(n_t.t(), n_fp8.scale, x.dtype, n_amax.amax(), n_t)
+    if dx_fp8 is None:
+        return dx, dx, n, dgamma
+    dx_operand = Fp8Tensor(dxq if dxq is not None else dxq_t.t(), dx_fp8.scale, x.dtype, dx_amax.amax(),
+                           dxq_t)
+    return dx, dx_operand, n, dgamma
+
+
 # ---- dSwiGLU in the down-projection's FP8 dgrad ------------------------------------------------------
 
 

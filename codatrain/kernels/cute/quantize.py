@@ -508,3 +508,210 @@ def dswiglu_quantize_fp8(
                                         torch2cute_dtype_map[y_t.dtype], dp is not None, store_elems)
     compiled(dy, preact, dp_scale.reshape(1), y_scale.reshape(1), dp, dp_t, y_t, dp_amax, y_amax, dsum,
              col_base)
+
+
+# ---- RMSNorm backward into both orientations ----------------------------------------------------------
+# With FP8 weight gradients the norm consumer's dgrad (gate/up, QKV) is a cuBLAS FP8 GEMM as well (QuACK's
+# promoted FP8 mainloop with the norm backward in its epilogue ran 1.46–1.60× `_scaled_mm` on an H100),
+# and this pass turns its output dn into what the rest of the backward reads, from one read of dn, x and
+# the residual gradient: dx in 16 bits (the residual path) and in FP8 (the next dgrad's and weight
+# gradient's operand), n = x·rstd·γ's token-contiguous FP8 copy (the weight gradient's), and the dγ
+# partials. dx and n are rounded to 16 bits before their FP8 copies are made, as the epilogue path's are.
+class RmsBwdQuantizeKernel:
+    """Over x (M, d), with dn (M, d) the dgrad's output, xr = x·rstd:
+    dx = rstd·(dn·γ − xr·zdz/d) [+ c], written in 16 bits (M, d), and as dxq = FP8(dx·s_dx) (M, d)
+    [optional] and dxq_t (d, M) [optional]; n_t = FP8(xr·γ·s_n)ᵀ (d, M); dx_amax and n_amax per
+    128 × 64 tile; dgamma[i, j] = Σ dn·xr over row tile i's rows of column j. One tile per CTA:
+    phase 1 as the transposing pass's, dγ summed over the tile's rows through lane shuffles and a
+    warp-per-row buffer in shared memory, phase 2 its gather for dx and then n. M and d multiples of 8."""
+
+    def __init__(self, dtype: type, out_dtype: type, n_dtype: type, residual: bool, rows_out: bool,
+                 dx_t_out: bool, store_elems: int) -> None:
+        self.dtype, self.out_dtype, self.n_dtype = dtype, out_dtype, n_dtype
+        self.residual, self.rows_out, self.dx_t_out = residual, rows_out, dx_t_out
+        self.store_elems = store_elems
+
+    @cute.jit
+    def __call__(self, mDn: cute.Tensor, mX: cute.Tensor, mC: cute.Tensor | None, mGamma: cute.Tensor,
+                 mRstd: cute.Tensor, mZdz: cute.Tensor, mDxScale: cute.Tensor, mNScale: cute.Tensor,
+                 mDx: cute.Tensor, mDxq: cute.Tensor | None, mDxqT: cute.Tensor | None, mNT: cute.Tensor,
+                 mDxAmax: cute.Tensor, mNAmax: cute.Tensor, mDgamma: cute.Tensor, inv_dim: Float32,
+                 stream: cuda.CUstream):
+        tile_rows, tile_cols = TRANSPOSE_TILE
+        grid_rows = (mX.shape[0] + tile_rows - 1) // tile_rows
+        grid_cols = (mX.shape[1] + tile_cols - 1) // tile_cols
+        self.kernel(mDn, mX, mC, mGamma, mRstd, mZdz, mDxScale, mNScale, mDx, mDxq, mDxqT, mNT, mDxAmax,
+                    mNAmax, mDgamma, inv_dim).launch(
+            grid=[grid_rows, grid_cols, 1], block=[_TRANSPOSE_THREADS, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, mDn: cute.Tensor, mX: cute.Tensor, mC: cute.Tensor | None, mGamma: cute.Tensor,
+               mRstd: cute.Tensor, mZdz: cute.Tensor, mDxScale: cute.Tensor, mNScale: cute.Tensor,
+               mDx: cute.Tensor, mDxq: cute.Tensor | None, mDxqT: cute.Tensor | None, mNT: cute.Tensor,
+               mDxAmax: cute.Tensor, mNAmax: cute.Tensor, mDgamma: cute.Tensor, inv_dim: Float32):
+        tile_rows, tile_cols = const_expr(TRANSPOSE_TILE[0]), const_expr(TRANSPOSE_TILE[1])
+        run = const_expr(2 * _VEC)
+        runs_per_row = const_expr(tile_cols // run)
+        rows_per_pass = const_expr(_TRANSPOSE_THREADS // runs_per_row)
+        row_steps = const_expr(tile_rows // rows_per_pass)
+        vectors_per_row = const_expr(tile_cols // _VEC)
+        num_warps = const_expr(_TRANSPOSE_THREADS // cute.arch.WARP_SIZE)
+        tidx, _, _ = cute.arch.thread_idx()
+        tile_row, tile_col, _ = cute.arch.block_idx()
+        n_rows, n_cols = mX.shape[0], mX.shape[1]
+        row0, col0 = tile_row * tile_rows, tile_col * tile_cols
+        smem = cutlass.utils.SmemAllocator()
+        tile_layout = cute.make_layout((tile_rows, tile_cols), stride=(tile_cols, 1))
+        dx_tile = smem.allocate_tensor(self.dtype, tile_layout, byte_alignment=16)
+        n_tile = smem.allocate_tensor(self.dtype, tile_layout, byte_alignment=16)
+        # dγ of each warp's rows, per column: lanes of one run are reduced by shuffles first.
+        dgamma_buffer = smem.allocate_tensor(
+            Float32, cute.make_layout((num_warps, tile_cols), stride=(tile_cols, 1)), byte_alignment=16)
+        dx_max_buffer, n_max_buffer = (
+            smem.allocate_tensor(Float32, cute.make_layout((1, (num_warps, 1))), byte_alignment=8)
+            for _ in range(2)
+        )
+        dx_scale, n_scale = mDxScale[0], mNScale[0]
+        in_atom = get_copy_atom(self.dtype, _VEC)
+        store = const_expr(self.store_elems)
+        out_atom = get_copy_atom(self.out_dtype, store)
+
+        # Phase 1: thread t owns run t % 4 (16 columns) of rows t // 4 + 64 s. All loads first.
+        r_first, run_idx = tidx // runs_per_row, tidx % runs_per_row
+        col = col0 + run_idx * run
+        n_inputs = const_expr(3 if self.residual else 2)
+        loaded = [[cute.make_rmem_tensor((run,), self.dtype) for _ in range(n_inputs)]
+                  for _ in range(row_steps)]
+        gamma16 = cute.make_rmem_tensor((run,), self.dtype)
+        gamma16.fill(0)
+        for half in cutlass.range_constexpr(2):
+            if col + half * _VEC < n_cols:
+                cute.copy(in_atom, cute.local_tile(mGamma, (_VEC,), (col // _VEC + half,)),
+                          cute.local_tile(gamma16, (_VEC,), (half,)))
+        sources = [mDn, mX, mC] if const_expr(self.residual) else [mDn, mX]
+        for s in cutlass.range_constexpr(row_steps):
+            row = row0 + r_first + s * rows_per_pass
+            for k in cutlass.range_constexpr(n_inputs):
+                loaded[s][k].fill(0)
+                for half in cutlass.range_constexpr(2):
+                    if row < n_rows and col + half * _VEC < n_cols:
+                        cute.copy(in_atom,
+                                  cute.local_tile(sources[k][row, None], (_VEC,), (col // _VEC + half,)),
+                                  cute.local_tile(loaded[s][k], (_VEC,), (half,)))
+        # Rows past M read row M − 1's statistics: their dn, x and c are zero, so are their outputs.
+        stat_rows = [cutlass.min(row0 + r_first + s * rows_per_pass, n_rows - 1) for s in range(row_steps)]
+        rstd_of, zdz_of = [mRstd[row] for row in stat_rows], [mZdz[row] for row in stat_rows]
+        gamma = gamma16.load().to(Float32)
+        dgamma = cute.make_rmem_tensor((run,), Float32)
+        dgamma.fill(0.0)
+        dx_max, n_max = Float32(0.0), Float32(0.0)
+        for s in cutlass.range_constexpr(row_steps):
+            r = r_first + s * rows_per_pass
+            row = row0 + r
+            dn = loaded[s][0].load().to(Float32)
+            xr = loaded[s][1].load().to(Float32) * rstd_of[s]
+            dx = (dn * gamma - xr * (zdz_of[s] * inv_dim)) * rstd_of[s]
+            if const_expr(self.residual):
+                dx = dx + loaded[s][2].load().to(Float32)
+            dgamma.store(dgamma.load() + dn * xr)
+            dx16 = cute.make_rmem_tensor((run,), self.dtype)
+            dx16.store(dx.to(self.dtype))
+            n16 = cute.make_rmem_tensor((run,), self.dtype)
+            n16.store((xr * gamma).to(self.dtype))
+            dx_values, n_values = dx16.load().to(Float32), n16.load().to(Float32)
+            dx_max = cute.arch.fmax(dx_max, _max_abs(dx_values))
+            n_max = cute.arch.fmax(n_max, _max_abs(n_values))
+            swizzle = (r // _SEGMENT) % vectors_per_row
+            for half in cutlass.range_constexpr(2):
+                if row < n_rows and col + half * _VEC < n_cols:
+                    cute.copy(in_atom, cute.local_tile(dx16, (_VEC,), (half,)),
+                              cute.local_tile(mDx[row, None], (_VEC,), (col // _VEC + half,)))
+                staged = (run_idx * 2 + half) ^ swizzle
+                cute.copy(in_atom, cute.local_tile(dx16, (_VEC,), (half,)),
+                          cute.local_tile(dx_tile[r, None], (_VEC,), (staged,)))
+                cute.copy(in_atom, cute.local_tile(n16, (_VEC,), (half,)),
+                          cute.local_tile(n_tile[r, None], (_VEC,), (staged,)))
+            if const_expr(self.rows_out):
+                out = cute.make_rmem_tensor((run,), self.out_dtype)
+                out.store((dx_values * dx_scale).to(self.out_dtype))
+                for k in cutlass.range_constexpr(run // store):
+                    if row < n_rows and col + k * store < n_cols:
+                        cute.copy(out_atom, cute.local_tile(out, (store,), (k,)),
+                                  cute.local_tile(mDxq[row, None], (store,), (col // store + k,)))
+        # dγ: the 8 lanes of a warp that share a run (lanes ≡ run_idx mod 4) by shuffles, then the
+        # warps' sums through shared memory.
+        for j in cutlass.range_constexpr(run):
+            v = dgamma[j]
+            for offset in cutlass.range_constexpr(3):
+                v = v + cute.arch.shuffle_sync_bfly(v, offset=runs_per_row << offset)
+            dgamma[j] = v
+        warp, lane = tidx // cute.arch.WARP_SIZE, tidx % cute.arch.WARP_SIZE
+        if lane < runs_per_row:
+            for j in cutlass.range_constexpr(run):
+                dgamma_buffer[warp, lane * run + j] = dgamma[j]
+        cute.arch.barrier()
+        if tidx < tile_cols and col0 + tidx < n_cols:
+            total = Float32(0.0)
+            for w in cutlass.range_constexpr(num_warps):
+                total += dgamma_buffer[w, tidx]
+            mDgamma[tile_row, col0 + tidx] = total
+
+        if const_expr(self.dx_t_out):
+            _store_transposed(dx_tile, mDxqT, dx_scale, tidx, row0, col0, n_rows, n_cols, tile_cols, store)
+        _store_transposed(n_tile, mNT, n_scale, tidx, row0, col0, n_rows, n_cols, tile_cols, store)
+
+        threads = const_expr(_TRANSPOSE_THREADS)
+        dx_tile_max = row_reduce(dx_max, cute.ReductionOp.MAX, threads, dx_max_buffer, init_val=0.0)
+        n_tile_max = row_reduce(n_max, cute.ReductionOp.MAX, threads, n_max_buffer, init_val=0.0)
+        if tidx == 0:
+            mDxAmax[tile_row, tile_col] = dx_tile_max
+            mNAmax[tile_row, tile_col] = n_tile_max
+
+
+@jit_cache
+def compile_rms_bwd_quantize(dtype: type, out_dtype: type, n_dtype: type, residual: bool, rows_out: bool,
+                             dx_t_out: bool, store_elems: int):
+    rows, cols, row_tiles, col_tiles = (cute.sym_int() for _ in range(4))
+    acts = [make_fake_tensor(dtype, (rows, cols), divisibility=_VEC) for _ in range(3)]
+    return cute.compile(
+        RmsBwdQuantizeKernel(dtype, out_dtype, n_dtype, residual, rows_out, dx_t_out, store_elems),
+        acts[0],
+        acts[1],
+        acts[2] if residual else None,
+        make_fake_tensor(dtype, (cols,), divisibility=_VEC),
+        make_fake_tensor(Float32, (rows,)),
+        make_fake_tensor(Float32, (rows,)),
+        make_fake_tensor(Float32, (1,)),
+        make_fake_tensor(Float32, (1,)),
+        make_fake_tensor(dtype, (rows, cols), divisibility=_VEC),
+        make_fake_tensor(out_dtype, (rows, cols), divisibility=store_elems) if rows_out else None,
+        make_fake_tensor(out_dtype, (cols, rows), divisibility=store_elems) if dx_t_out else None,
+        make_fake_tensor(n_dtype, (cols, rows), divisibility=store_elems),
+        make_fake_tensor(Float32, (row_tiles, col_tiles)),
+        make_fake_tensor(Float32, (row_tiles, col_tiles)),
+        make_fake_tensor(Float32, (row_tiles, cols)),
+        Float32(1.0),
+        make_fake_stream(),
+        options="--enable-tvm-ffi",
+    )
+
+
+@cute_op("codatrain::cute_rms_bwd_quantize_fp8",
+         mutates_args=("dx", "dxq", "dxq_t", "n_t", "dx_amax", "n_amax", "dgamma"), device_types="cuda")
+def rms_bwd_quantize_fp8(
+    dn: Tensor, x: Tensor, residual_grad: Tensor | None, gamma: Tensor, rstd: Tensor, zdz: Tensor,
+    dx_scale: Tensor, n_scale: Tensor, dx: Tensor, dxq: Tensor | None, dxq_t: Tensor | None, n_t: Tensor,
+    dx_amax: Tensor, n_amax: Tensor, dgamma: Tensor,
+) -> None:
+    """`RmsBwdQuantizeKernel`: dn, x, residual_grad [optional], dx (M, d) contiguous 16-bit, gamma (d,),
+    rstd and zdz (M,) fp32; dxq (M, d) and dxq_t (d, M) [each optional] and n_t (d, M) FP8; dx_amax and
+    n_amax (`transpose_tiles`) and dgamma ((M + 127) // 128, d) fp32. M and d multiples of 8."""
+    store_elems = 16 if x.shape[0] % 16 == 0 and x.shape[1] % 16 == 0 else 8
+    fp8_out = dxq if dxq is not None else dxq_t
+    out_dtype = torch2cute_dtype_map[(fp8_out if fp8_out is not None else n_t).dtype]
+    compiled = compile_rms_bwd_quantize(
+        torch2cute_dtype_map[x.dtype], out_dtype, torch2cute_dtype_map[n_t.dtype], residual_grad is not None,
+        dxq is not None, dxq_t is not None, store_elems)
+    compiled(dn, x, residual_grad, gamma, rstd, zdz, dx_scale.reshape(1), n_scale.reshape(1), dx, dxq, dxq_t,
+             n_t, dx_amax, n_amax, dgamma, 1.0 / x.shape[1])
