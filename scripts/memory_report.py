@@ -56,6 +56,7 @@ class LiveBytes(TorchDispatchMode):
         self._refs: dict[int, weakref.ref] = {}
         self.current = self.peak = 0
         self.peak_maker = ""
+        self.phase_peaks: dict[str, tuple[int, str]] = {}  # phase → (its own peak, where)
         self.at_peak: list[tuple[int, str, str, str]] = []
 
     def _maker(self, op: Any) -> str:
@@ -75,10 +76,23 @@ class LiveBytes(TorchDispatchMode):
                               "×".join(map(str, tensor.shape)), self._maker(op))
             self._refs[key] = weakref.ref(storage, lambda _, key=key: self._release(key))
             self.current += storage.nbytes()
+            # A phase's peak is at most the step's: only a new one of the phase's needs the check.
+            if self.current > self.phase_peaks.get(self.phase, (0, ""))[0]:
+                self._drop_released()
+            if self.current > self.phase_peaks.get(self.phase, (0, ""))[0]:
+                self.phase_peaks[self.phase] = (self.current, self.live[key][3])
             if self.current > self.peak:
                 self.peak, self.peak_maker = self.current, self.live[key][3]
                 self.at_peak = list(self.live.values())
         return out
+
+    def _drop_released(self) -> None:
+        """Stop counting the storages whose memory was freed while tensors still hold them
+        (`untyped_storage().resize_(0)`, which no op reports), before a new peak is taken."""
+        for key, ref in list(self._refs.items()):
+            storage = ref()
+            if storage is not None and storage.nbytes() == 0 and self.live[key][0]:
+                self._release(key)
 
     def _release(self, key: int) -> None:
         self._refs.pop(key, None)
@@ -179,6 +193,7 @@ def main(argv: list[str]) -> int | str:
         counter = count_step(LlamaConfig(**job["model"]), KernelShapes(**job["shapes"]))
         alive = sorted(counter.at_peak, key=lambda entry: -entry[0])
         print(json.dumps({"peak_bytes": counter.peak, "peak_at": counter.peak_maker,
+                          "phase_peaks": counter.phase_peaks,
                           "alive": [dict(zip(("bytes", "dtype", "shape", "made_by"), e, strict=True))
                                     for e in alive]}))
         return 0
@@ -205,6 +220,8 @@ def main(argv: list[str]) -> int | str:
     print(f"{plan.block.describe()}, {plan.model_cfg.n_layers} layers, micro-batch {shapes.batch} × "
           f"{shapes.seq_len}: peak {report['peak_bytes'] / 2**30:.3f} GiB above the parameters and "
           f"optimizer state, at {report['peak_at']}")
+    for phase, (peak_bytes, peak_at) in report["phase_peaks"].items():
+        print(f"  the {phase}'s own peak: {peak_bytes / 2**30:.3f} GiB, at {peak_at}")
     for entry in report["alive"][:args.top]:
         print(f"  {entry['bytes'] / 2**20:10.1f} MiB  {entry['dtype']:>13} {entry['shape']:>16}  "
               f"{entry['made_by']}")

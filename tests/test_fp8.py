@@ -343,6 +343,39 @@ def test_dpreacts_fp8_copies_take_the_memory_of_preact():
         assert all(t.untyped_storage().data_ptr() != into.untyped_storage().data_ptr() for t in fresh)
 
 
+@pytest.mark.skipif(not all(importlib.util.find_spec(name) for name in ("cutlass", "quack")),
+                    reason="needs the cuda extras")
+def test_preacts_memory_is_released_where_the_one_pass_dswiglu_cannot_reuse_it():
+    """The one-pass FP8 dSwiGLU writes dpreact's copies beside preact (it reads preact as it writes),
+    then frees preact's memory (`reuse_preact`), though autograd holds preact until the backward
+    returns: 4F bytes a token that otherwise stay alive beside dpreact's copies through the rest of
+    the MLP backward. A tensor that shares its storage is left alone; so is the backward's result."""
+    from codatrain.kernels.cute.backend import _release
+
+    class Saving(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            preact = x * 2
+            ctx.save_for_backward(preact)
+            return x * 3
+
+        @staticmethod
+        def backward(ctx, grad):
+            (preact,) = ctx.saved_tensors
+            dx = grad * preact.sum()
+            _release(preact)
+            assert preact.untyped_storage().nbytes() == 0
+            return dx
+
+    x = torch.randn(8, 4, requires_grad=True)
+    Saving.apply(x).sum().backward()
+    assert torch.allclose(x.grad, torch.full_like(x, 2 * x.detach().sum().item()))
+    whole = torch.zeros(8, 4)
+    for shared in (whole[:4], whole[:, :2], whole.t()):
+        _release(shared)
+        assert whole.untyped_storage().nbytes() == whole.numel() * 4
+
+
 def test_the_model_lets_dswiglu_reuse_preact():
     """The MLP backward hands dSwiGLU permission to reuse preact's memory (preact is read there for
     the last time), in every precision."""

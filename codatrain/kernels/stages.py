@@ -530,7 +530,8 @@ class StageBackend(ABC):
         dout and weight may be `Fp8Tensor`s (outputs in preact's dtype); dpreact_fp8 and y_fp8
         write dpreact and y as `Fp8Tensor`s (zdz from the unrounded values). The recomputed y
         takes the scale the forward's y had. `reuse_preact`: the caller reads preact no more, and
-        its memory may hold dpreact's FP8 copies (a backend that keeps no such copies ignores it).
+        its memory may hold dpreact's FP8 copies or be freed (a backend that keeps no such
+        copies ignores it).
         """
 
     @abstractmethod

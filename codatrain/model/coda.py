@@ -220,7 +220,7 @@ def _mlp_backward(
         fp8_args = {"y_fp8": QuantizeTo(f.recipe.format_of(Operand.down_in), y_scale, transposed=True,
                                         rows=False),
                     **_fp8_arg(f, layer, Operand.gate_up_grad, "dpreact_fp8")}
-    # preact is read here for the last time: its memory may hold dpreact's FP8 copies.
+    # preact is read here for the last time: its memory may hold dpreact's FP8 copies, or be freed.
     dpreact, y, zdz = s.gemm_dswiglu(dx2_operand, dgrad_operand(w_down, w_down_scale), preact, **fp8_args,
                                      reuse_preact=True)
     if wgrad_fp8:

@@ -83,6 +83,14 @@ def _maybe_quantize(x: torch.Tensor, to: QuantizeTo | None) -> torch.Tensor | Fp
     return x if to is None else quantize_to(x, to)
 
 
+def _release(x: torch.Tensor) -> None:
+    """Free x's memory now, where x alone holds its storage: the caller reads it no more, though
+    autograd keeps a reference to it until the backward returns (as FSDP2 frees a parameter's)."""
+    storage = x.untyped_storage()
+    if x.is_contiguous() and x.storage_offset() == 0 and storage.nbytes() == x.numel() * x.element_size():
+        storage.resize_(0)
+
+
 class CuteStages(StageBackend):
     """Every CODA stage as a Hopper kernel: CuTeDSL epilogues on QuACK's GEMM, row kernels, and
     cuBLAS for the plain dgrad/wgrad. `fp8_fast_accum` (block.fp8_fast_accum): every FP8 stage's
@@ -411,8 +419,11 @@ class CuteStages(StageBackend):
             _check_activations("gemm_dswiglu", preact)
             # dpreact's FP8 copies need memory of their own here (the pass reads preact as it
             # writes them), where the dgrad's chunks keep the stage's maximum under the fused one's.
-            return DSwigluOut(*fp8_bwd_stages.fp8_dgrad_dswiglu_quantized(
+            out = DSwigluOut(*fp8_bwd_stages.fp8_dgrad_dswiglu_quantized(
                 dout, weight, preact.contiguous(), dpreact_fp8, y_fp8, self.fp8_fast_accum))
+            if reuse_preact:
+                _release(preact)
+            return out
         out = DSwigluOut(empty(m, f2, like=preact), empty(m, f2 // 2, like=preact),
                          empty(m, like=preact, dtype=STAT))
         if isinstance(dout, Fp8Tensor):
