@@ -2,9 +2,10 @@
 GPU or not: the model runs its forward and backward on fake tensors (each stage compiles or loads
 its kernels for sm_90a and launches nothing) while a dispatch mode counts the bytes of every live
 tensor storage made in the step. Prints the peak (activations, gradients and temporaries: what the
-step adds to the parameters and optimizer state), where in the step it falls, and the largest
-tensors alive there with the code that made them. At llama3_1b 4×8192 the count put FP8 CODA's
-peak 0.41 GiB above bf16 CODA's, as the GPU measured (0.42 GiB; docs/benchmarks.md).
+step adds to the parameters and optimizer state), where in the step it falls, the forward's and
+the backward's own peaks, and the largest tensors alive at the step's peak with the code that made
+them. At llama3_1b 4×8192 the count put FP8 CODA's peak 0.41 GiB above bf16 CODA's, as the GPU
+measured (0.42 GiB), and later its backward's 0.198 GiB above (the GPU: 0.20; docs/benchmarks.md).
 
     python scripts/memory_report.py model=llama3_1b data=synthetic data.seq_len=8192 \\
         train.micro_batch_size=4 [block.precision=fp8] [--top 20] [--json report.json]
