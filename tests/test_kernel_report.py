@@ -53,6 +53,10 @@ def test_memory_report_counts_the_tensors_alive_at_the_peak(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
     assert sum(entry["bytes"] for entry in report["alive"]) == report["peak_bytes"] > 0
+    # Each phase's own peak, the higher of them the step's.
+    phases = report["phase_peaks"]
+    assert set(phases) == {"forward", "backward"} and all(peak > 0 for peak, _ in phases.values()), phases
+    assert max(peak for peak, _ in phases.values()) == report["peak_bytes"], phases
     preacts = [e for e in report["alive"] if "gemm_rstd_swiglu" in e["made_by"] and e["shape"] == "2048×768"]
     assert len(preacts) == 4 and all(e["bytes"] == 2048 * 768 * 2 for e in preacts), report["alive"][:10]
 
