@@ -376,6 +376,39 @@ def test_preacts_memory_is_released_where_the_one_pass_dswiglu_cannot_reuse_it()
         assert whole.untyped_storage().nbytes() == whole.numel() * 4
 
 
+@pytest.mark.skipif(not all(importlib.util.find_spec(name) for name in ("cutlass", "quack")),
+                    reason="needs the cuda extras")
+def test_after_the_first_step_the_backward_asks_for_what_the_one_pass_stages_write():
+    """With FP8 weight gradients the cute backend takes the cuBLAS dgrad + one-pass path for dSwiGLU
+    and the norm backward only where the model asks for what those passes write (delayed scales,
+    n and y token-contiguous alone): so every stage of every step after a run's first, and none of
+    the first's (current scaling), which the fused epilogues serve."""
+    from codatrain.kernels.cute.fp8_bwd_stages import one_pass_dswiglu, one_pass_rms_bwd
+
+    asked: list[tuple[str, bool]] = []
+
+    class Watching(ReferenceStages):
+        def gemm_dswiglu(self, *args, dpreact_fp8=None, y_fp8=None, **kwargs):
+            asked.append(("dswiglu", one_pass_dswiglu(dpreact_fp8, y_fp8)))
+            return super().gemm_dswiglu(*args, dpreact_fp8=dpreact_fp8, y_fp8=y_fp8, **kwargs)
+
+        def gemm_rms_bwd_fp8(self, *args, n_fp8, dx_fp8=None, **kwargs):
+            asked.append(("rms_bwd", one_pass_rms_bwd(n_fp8, dx_fp8)))
+            return super().gemm_rms_bwd_fp8(*args, n_fp8=n_fp8, dx_fp8=dx_fp8, **kwargs)
+
+    cfg = CONFIGS["gqa2-L3"]
+    block = ResolvedBlock("coda", "reference", "sdpa", Watching(), sdpa_attention)
+    model = CodaLlama(cfg, block, fp8=Fp8Recipe())
+    tokens, targets = batch(cfg, 2, 16, ignore=False)
+    for step in range(2):
+        asked.clear()
+        model(tokens, targets).backward()
+        model.fp8_scaling.commit_step()
+        # Per layer: dSwiGLU, the gate/up norm backward and the QKV one.
+        assert sorted(name for name, _ in asked) == sorted(["dswiglu", "rms_bwd", "rms_bwd"] * cfg.n_layers)
+        assert all(one_pass == (step > 0) for _, one_pass in asked), (step, asked)
+
+
 def test_the_model_lets_dswiglu_reuse_preact():
     """The MLP backward hands dSwiGLU permission to reuse preact's memory (preact is read there for
     the last time), in every precision."""
