@@ -468,3 +468,26 @@ def test_every_layers_dx_reaches_dswiglu_with_its_rows_alone():
         later = [e for e in events[first:second] if e[0] == "quantize" and e[2].scale is dout.scale]
         assert len(later) == 1 and later[0][2].transposed and not later[0][2].rows, later
         assert torch.equal(later[0][3].data.view(torch.uint8), dout.data.view(torch.uint8))
+
+
+@pytest.mark.parametrize("tile_cols", [64, 32], ids=["dpreact_x_dx_n", "y"])
+def test_transposing_passes_stage_fp8_tiles_without_bank_conflicts(tile_cols):
+    """The FP8 tiles the transposing passes stage in shared memory (`quantize._staged`): a
+    permutation of the tile's 16-byte units that keeps each phase-1 warp's 8 rows together (it
+    writes contiguous bytes), and puts the gather's 32 lanes on 32 distinct banks at every load."""
+    from codatrain.kernels.cute import quantize as q
+
+    rows, units, words_per_row = q.TRANSPOSE_TILE[0], tile_cols // q._UNIT, tile_cols // 4
+    place = {(r, u): q._staged(r, u, tile_cols) for r in range(rows) for u in range(units)}
+    assert sorted(place.values()) == sorted(place)
+    for first in range(0, rows, 8):
+        block = {place[r, u][0] for r in range(first, first + 8) for u in range(units)}
+        assert block == set(range(first, first + 8))
+    for warp in range(2 * tile_cols // 32):
+        for i in range(q._SEGMENT):
+            banks = set()
+            for lane in range(32):
+                word, segment, unit = q._gather_lane(warp * 32 + lane)
+                row, staged_unit = q._staged(segment * q._SEGMENT + i, unit, tile_cols)
+                banks.add((row * words_per_row + staged_unit * 4 + word) % 32)
+            assert len(banks) == 32, f"warp {warp}, load {i}: {32 - len(banks)} lanes share a bank"

@@ -120,47 +120,81 @@ def quantize_fp8_outputs(x: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Ten
 # transposed weight. This pass writes the transposed FP8 copy, and the row-major one when asked,
 # from one read.
 TRANSPOSE_TILE = (128, 64)  # (rows, columns) of x per CTA: 128-byte lines of x in, of out_t out
-_VEC = 8  # elements per 16-byte load of x, and per shared-memory vector
+_VEC = 8  # elements per 16-byte load of x
 _TRANSPOSE_THREADS = 256
-_SEGMENT = 16  # rows of x (bytes of an out_t row) one thread gathers and stores at once
+_SEGMENT = 16  # rows of x (bytes of an out_t row) one thread of the gather stores at once
+_UNIT = 16  # FP8 bytes of a staged row one 16-byte shared-memory access moves
 
 
-def _max_abs(values: cute.TensorSSA) -> Float32:
-    """max |v| over fp32 values as max(max v, −min v): no |v| temporary, and zero fill is neutral."""
-    return cute.arch.fmax(values.reduce(cute.ReductionOp.MAX, -Float32.inf, 0),
-                          -values.reduce(cute.ReductionOp.MIN, Float32.inf, 0))
+def _max_abs(acc: Float32, values: cute.TensorSSA, n: int) -> Float32:
+    """max(|acc|, max |v|) over n fp32 values, one FMNMX.ABS each (NaN-quiet, as a max reduction)."""
+    for i in range(n):
+        acc = cute.arch.fmax(acc, values[i], abs=True)
+    return cute.math.absf(acc)
+
+
+def _staged(r: cutlass.Int32, unit: cutlass.Int32, tile_cols: int) -> tuple[cutlass.Int32, cutlass.Int32]:
+    """Where row r's 16-byte unit `unit` of an FP8 tile (128 rows, `tile_cols` bytes) sits in shared
+    memory: the 16-row segment s = r // 16 XORs the unit with s mod U (U units a row) and the row
+    with (s // U) mod (8 / U), a permutation within aligned groups of rows. Phase 1's warps (8 whole
+    rows each) still write contiguous bytes, and the gather's 32 lanes (4 words of one unit, 8
+    segments) reach 32 distinct banks."""
+    units = tile_cols // _UNIT
+    segment = r // _SEGMENT
+    return r ^ ((segment // units) % (8 // units)), unit ^ (segment % units)
+
+
+def _gather_lane(t: cutlass.Int32) -> tuple[cutlass.Int32, cutlass.Int32, cutlass.Int32]:
+    """(word, segment, unit) of gather thread t: the 32-bit word (4 columns) of a 16-byte unit and
+    the 16-row segment it transposes; a warp takes one unit across all 8 segments."""
+    return t % 4, (t // 4) % 8, t // 32
 
 
 @cute.jit
-def _store_transposed(tile: cute.Tensor, mOutT: cute.Tensor, scale: Float32, tidx: cutlass.Int32,
-                      row0: cutlass.Int32, col0: cutlass.Int32, n_rows: cutlass.Int32, n_cols: cutlass.Int32,
+def _stage(tile: cute.Tensor, values: cute.Tensor, r: cutlass.Int32, col: cutlass.Int32,
+           tile_cols: cutlass.Constexpr[int]) -> None:
+    """Phase 1 of the transposing passes: a run of FP8 values (16 or 8 bytes) of tile row r, starting
+    at tile column `col` (a multiple of the run), into its place in shared memory (`_staged`)."""
+    run = const_expr(cute.size(values.shape))
+    row, unit = _staged(r, col // _UNIT, tile_cols)
+    cute.copy(get_copy_atom(values.element_type, run), values,
+              cute.local_tile(tile[row, None], (run,), ((unit * _UNIT + col % _UNIT) // run,)))
+
+
+@cute.jit
+def _store_transposed(tile: cute.Tensor, mOutT: cute.Tensor, t: cutlass.Int32, row0: cutlass.Int32,
+                      col0: cutlass.Int32, n_rows: cutlass.Int32, n_cols: cutlass.Int32,
                       tile_cols: cutlass.Constexpr[int], store: cutlass.Constexpr[int]) -> None:
-    """Phase 2 of the transposing passes: FP8(tile·scale)ᵀ into out_t, the tile (128 rows of x,
-    `tile_cols` columns, staged in shared memory with 8-element vectors XOR-swizzled by their
-    16-row segment) at x's (row0, col0), masked to x's (n_rows, n_cols). Lane group t // 8 takes
-    a column, lane t % 8 its rows [16 (t % 8), +16): the column's 128 rows as 128 contiguous bytes
-    of out_t."""
-    segments = const_expr(TRANSPOSE_TILE[0] // _SEGMENT)  # lanes per column
-    cols_per_pass = const_expr(_TRANSPOSE_THREADS // segments)
-    vectors_per_row = const_expr(tile_cols // _VEC)
+    """Phase 2 of the transposing passes: the FP8 tile (128 rows of x, `tile_cols` columns, staged by
+    `_stage` at x's (row0, col0)) transposed into out_t, masked to x's (n_rows, n_cols); run by
+    2·tile_cols threads, t their index. Thread t reads 4 columns (one 32-bit word) of 16 rows,
+    transposes them 4 × 4 bytes at a time with byte permutes, and stores 16 contiguous bytes of
+    each column's out_t row: a warp writes whole 128-byte lines of four out_t rows."""
+    word, segment, unit = _gather_lane(t)
+    words = cute.recast_tensor(tile, cutlass.Int32)
+    columns = [cute.make_rmem_tensor((_SEGMENT,), mOutT.element_type) for _ in range(4)]
+    column_words = [cute.recast_tensor(c, cutlass.Int32) for c in columns]
+    for b in cutlass.range_constexpr(_SEGMENT // 4):
+        rows = []
+        for i in cutlass.range_constexpr(4):
+            row, staged_unit = _staged(segment * _SEGMENT + 4 * b + i, unit, tile_cols)
+            rows.append(words[row, staged_unit * 4 + word])
+        # Bytes (a0 a1 a2 a3), (b0 ..), (c0 ..), (d0 ..) -> (a0 b0 a1 b1), ... -> (a0 b0 c0 d0), ...
+        ab_low, ab_high = cute.arch.prmt(rows[0], rows[1], 0x5140), cute.arch.prmt(rows[0], rows[1], 0x7362)
+        cd_low, cd_high = cute.arch.prmt(rows[2], rows[3], 0x5140), cute.arch.prmt(rows[2], rows[3], 0x7362)
+        column_words[0][b] = cute.arch.prmt(ab_low, cd_low, 0x5410)
+        column_words[1][b] = cute.arch.prmt(ab_low, cd_low, 0x7632)
+        column_words[2][b] = cute.arch.prmt(ab_high, cd_high, 0x5410)
+        column_words[3][b] = cute.arch.prmt(ab_high, cd_high, 0x7632)
     out_atom = get_copy_atom(mOutT.element_type, store)
-    seg = tidx % segments
-    swizzle = seg % vectors_per_row
-    out_col = row0 + seg * _SEGMENT
-    for k in cutlass.range_constexpr(max(tile_cols // cols_per_pass, 1)):
-        c = tidx // segments + k * cols_per_pass
-        out_row = col0 + c
-        if c < tile_cols and out_row < n_cols:
-            tTr = cute.make_rmem_tensor((_SEGMENT,), tile.element_type)
-            physical = ((c // _VEC) ^ swizzle) * _VEC + c % _VEC
-            for i in cutlass.range_constexpr(_SEGMENT):
-                tTr[i] = tile[seg * _SEGMENT + i, physical]
-            tTo = cute.make_rmem_tensor((_SEGMENT,), mOutT.element_type)
-            tTo.store((tTr.load().to(Float32) * scale).to(mOutT.element_type))
-            for j in cutlass.range_constexpr(_SEGMENT // store):
-                if out_col + j * store < n_rows:
-                    cute.copy(out_atom, cute.local_tile(tTo, (store,), (j,)),
-                              cute.local_tile(mOutT[out_row, None], (store,), (out_col // store + j,)))
+    out_col = row0 + segment * _SEGMENT
+    for j in cutlass.range_constexpr(4):
+        out_row = col0 + (unit * 4 + word) * 4 + j
+        if out_row < n_cols:
+            for h in cutlass.range_constexpr(_SEGMENT // store):
+                if out_col + h * store < n_rows:
+                    cute.copy(out_atom, cute.local_tile(columns[j], (store,), (h,)),
+                              cute.local_tile(mOutT[out_row, None], (store,), (out_col // store + h,)))
 
 
 class QuantizeTransposeKernel:
@@ -168,11 +202,10 @@ class QuantizeTransposeKernel:
     tile_amax[i, j] = max |x| over the (128 × 64) tile (i, j); one tile per CTA.
 
     Memory-bound, so it is built for bytes in flight and whole lines: each thread first issues all
-    four of its 16-byte loads (16-element runs of two rows), writes their FP8 row runs (16 bytes
-    each) and stages them in shared memory; after one barrier, four adjacent lanes gather 64 rows of
-    one column, 16 each, and store them as 64 contiguous bytes of out_t (a warp: four columns, or
-    eight with the second half of the tile's rows). Shared-memory vectors are XOR-swizzled by their
-    16-row segment, so the gather's lanes (eight segments of the same columns) hit distinct banks.
+    four of its 16-byte loads (16-element runs of two rows), then quantizes each run once, writes it
+    as an FP8 row run (16 bytes) when asked and stages it in shared memory (`_stage`); after one
+    barrier, half the threads gather 4 columns × 16 rows each as 32-bit words, transpose them with
+    byte permutes and store 16 contiguous bytes of 4 out_t rows (`_store_transposed`).
     R and C must be multiples of 8; unless both are multiples of 16 (FP8 GEMM operands are) the
     stores move 8 bytes each."""
 
@@ -201,14 +234,13 @@ class QuantizeTransposeKernel:
         runs_per_row = const_expr(tile_cols // run)
         rows_per_pass = const_expr(_TRANSPOSE_THREADS // runs_per_row)
         row_steps = const_expr(tile_rows // rows_per_pass)
-        vectors_per_row = const_expr(tile_cols // _VEC)
         tidx, _, _ = cute.arch.thread_idx()
         tile_row, tile_col, _ = cute.arch.block_idx()
         n_rows, n_cols = mX.shape[0], mX.shape[1]
         row0, col0 = tile_row * tile_rows, tile_col * tile_cols
         smem = cutlass.utils.SmemAllocator()
         tile_layout = cute.make_layout((tile_rows, tile_cols), stride=(tile_cols, 1))
-        tile = smem.allocate_tensor(self.dtype, tile_layout, byte_alignment=16)
+        tile = smem.allocate_tensor(self.out_dtype, tile_layout, byte_alignment=16)
         num_warps = const_expr(_TRANSPOSE_THREADS // cute.arch.WARP_SIZE)
         max_buffer = smem.allocate_tensor(Float32, cute.make_layout((1, (num_warps, 1))), byte_alignment=8)
         scale = mScale[0]
@@ -232,21 +264,19 @@ class QuantizeTransposeKernel:
             r = r_first + s * rows_per_pass
             row = row0 + r
             x = loaded[s].load().to(Float32)
-            local_max = cute.arch.fmax(local_max, _max_abs(x))
-            swizzle = (r // _SEGMENT) % vectors_per_row
-            for half in cutlass.range_constexpr(2):
-                cute.copy(in_atom, cute.local_tile(loaded[s], (_VEC,), (half,)),
-                          cute.local_tile(tile[r, None], (_VEC,), ((run_idx * 2 + half) ^ swizzle,)))
+            local_max = _max_abs(local_max, x, run)
+            quantized = cute.make_rmem_tensor((run,), self.out_dtype)
+            quantized.store((x * scale).to(self.out_dtype))
+            _stage(tile, quantized, r, run_idx * run, tile_cols)
             if const_expr(self.rows_out):
-                tOr = cute.make_rmem_tensor((run,), self.out_dtype)
-                tOr.store((x * scale).to(self.out_dtype))
                 for k in cutlass.range_constexpr(run // store):
                     if row < n_rows and col + k * store < n_cols:
-                        cute.copy(out_atom, cute.local_tile(tOr, (store,), (k,)),
+                        cute.copy(out_atom, cute.local_tile(quantized, (store,), (k,)),
                                   cute.local_tile(mOut[row, None], (store,), (col // store + k,)))
         cute.arch.barrier()
 
-        _store_transposed(tile, mOutT, scale, tidx, row0, col0, n_rows, n_cols, tile_cols, store)
+        if tidx < 2 * tile_cols:
+            _store_transposed(tile, mOutT, tidx, row0, col0, n_rows, n_cols, tile_cols, store)
 
         tile_max = row_reduce(local_max, cute.ReductionOp.MAX, _TRANSPOSE_THREADS, max_buffer, init_val=0.0)
         if tidx == 0:
@@ -351,8 +381,8 @@ class DSwigluQuantizeKernel:
     as dp = FP8(dpreact·s_dp) (M, 2F) [optional] and dp_t (2F, M), y_t = FP8(y·s_y)ᵀ (F, M);
     dp_amax and y_amax per 128 × 64 tile of preact; dsum[m, t] = Σ g·dg + u·du over the pairs of
     row m in the chunk's t-th tile. One tile per CTA: phase 1 as the transposing pass's (a
-    thread's 16-column run is 8 pairs, their 8 dy one 16-byte load), phase 2 its gather, for
-    dpreact and then y (32 columns). M a multiple of 8, 2F and 2 Fc of 16."""
+    thread's 16-column run is 8 pairs, their 8 dy one 16-byte load), phase 2 its gather, dpreact's and
+    y's (32 columns) side by side. M a multiple of 8, 2F and 2 Fc of 16."""
 
     def __init__(self, dtype: type, dp_dtype: type, y_dtype: type, rows_out: bool, store_elems: int) -> None:
         self.dtype, self.dp_dtype, self.y_dtype = dtype, dp_dtype, y_dtype
@@ -385,9 +415,9 @@ class DSwigluQuantizeKernel:
         row0, col0 = tile_row * tile_rows, col_base + chunk_tile_col * tile_cols
         smem = cutlass.utils.SmemAllocator()
         dp_tile = smem.allocate_tensor(
-            self.dtype, cute.make_layout((tile_rows, tile_cols), stride=(tile_cols, 1)), byte_alignment=16)
+            self.dp_dtype, cute.make_layout((tile_rows, tile_cols), stride=(tile_cols, 1)), byte_alignment=16)
         y_tile = smem.allocate_tensor(
-            self.dtype, cute.make_layout((tile_rows, tile_cols // 2), stride=(tile_cols // 2, 1)),
+            self.y_dtype, cute.make_layout((tile_rows, tile_cols // 2), stride=(tile_cols // 2, 1)),
             byte_alignment=16)
         num_warps = const_expr(_TRANSPOSE_THREADS // cute.arch.WARP_SIZE)
         dp_max_buffer, y_max_buffer = (
@@ -441,27 +471,27 @@ class DSwigluQuantizeKernel:
             y16 = cute.make_rmem_tensor((pairs,), self.dtype)
             y16.store(y.load().to(self.dtype))
             dp_values, y_values = dp16.load().to(Float32), y16.load().to(Float32)
-            dp_max = cute.arch.fmax(dp_max, _max_abs(dp_values))
-            y_max = cute.arch.fmax(y_max, _max_abs(y_values))
-            segment = r // _SEGMENT
-            for half in cutlass.range_constexpr(2):
-                cute.copy(in_atom, cute.local_tile(dp16, (_VEC,), (half,)),
-                          cute.local_tile(dp_tile[r, None], (_VEC,),
-                                          ((run_idx * 2 + half) ^ (segment % (tile_cols // _VEC)),)))
-            cute.copy(in_atom, y16,
-                      cute.local_tile(y_tile[r, None], (_VEC,), (run_idx ^ (segment % (tile_cols // run)),)))
+            dp_max = _max_abs(dp_max, dp_values, run)
+            y_max = _max_abs(y_max, y_values, pairs)
+            dp8 = cute.make_rmem_tensor((run,), self.dp_dtype)
+            dp8.store((dp_values * dp_scale).to(self.dp_dtype))
+            _stage(dp_tile, dp8, r, run_idx * run, tile_cols)
+            y8 = cute.make_rmem_tensor((pairs,), self.y_dtype)
+            y8.store((y_values * y_scale).to(self.y_dtype))
+            _stage(y_tile, y8, r, run_idx * pairs, tile_cols // 2)
             if const_expr(self.rows_out):
-                out = cute.make_rmem_tensor((run,), self.dp_dtype)
-                out.store((dp_values * dp_scale).to(self.dp_dtype))
                 for k in cutlass.range_constexpr(run // store):
                     if row < n_rows and col < col_end:
-                        cute.copy(out_atom, cute.local_tile(out, (store,), (k,)),
+                        cute.copy(out_atom, cute.local_tile(dp8, (store,), (k,)),
                                   cute.local_tile(mDp[row, None], (store,), (col // store + k,)))
         cute.arch.barrier()
 
-        _store_transposed(dp_tile, mDpT, dp_scale, tidx, row0, col0, n_rows, col_end, tile_cols, store)
-        _store_transposed(y_tile, mYT, y_scale, tidx, row0, col0 // 2, n_rows, col_end // 2, tile_cols // 2,
-                          store)
+        # dpreact's gather on threads [0, 128), y's (half as wide) on [128, 192).
+        if tidx < 2 * tile_cols:
+            _store_transposed(dp_tile, mDpT, tidx, row0, col0, n_rows, col_end, tile_cols, store)
+        elif tidx < 3 * tile_cols:
+            _store_transposed(y_tile, mYT, tidx - 2 * tile_cols, row0, col0 // 2, n_rows, col_end // 2,
+                              tile_cols // 2, store)
 
         threads = const_expr(_TRANSPOSE_THREADS)
         dp_tile_max = row_reduce(dp_max, cute.ReductionOp.MAX, threads, dp_max_buffer, init_val=0.0)
@@ -523,7 +553,8 @@ class RmsBwdQuantizeKernel:
     [optional] and dxq_t (d, M) [optional]; n_t = FP8(xr·γ·s_n)ᵀ (d, M); dx_amax and n_amax per
     128 × 64 tile; dgamma[i, j] = Σ dn·xr over row tile i's rows of column j. One tile per CTA:
     phase 1 as the transposing pass's, dγ summed over the tile's rows through lane shuffles and a
-    warp-per-row buffer in shared memory, phase 2 its gather for dx and then n. M and d multiples of 8."""
+    warp-per-row buffer in shared memory, phase 2 its gather for n and dx side by side. M and d
+    multiples of 8."""
 
     def __init__(self, dtype: type, out_dtype: type, n_dtype: type, residual: bool, rows_out: bool,
                  dx_t_out: bool, store_elems: int) -> None:
@@ -555,7 +586,6 @@ class RmsBwdQuantizeKernel:
         runs_per_row = const_expr(tile_cols // run)
         rows_per_pass = const_expr(_TRANSPOSE_THREADS // runs_per_row)
         row_steps = const_expr(tile_rows // rows_per_pass)
-        vectors_per_row = const_expr(tile_cols // _VEC)
         num_warps = const_expr(_TRANSPOSE_THREADS // cute.arch.WARP_SIZE)
         tidx, _, _ = cute.arch.thread_idx()
         tile_row, tile_col, _ = cute.arch.block_idx()
@@ -563,8 +593,9 @@ class RmsBwdQuantizeKernel:
         row0, col0 = tile_row * tile_rows, tile_col * tile_cols
         smem = cutlass.utils.SmemAllocator()
         tile_layout = cute.make_layout((tile_rows, tile_cols), stride=(tile_cols, 1))
-        dx_tile = smem.allocate_tensor(self.dtype, tile_layout, byte_alignment=16)
-        n_tile = smem.allocate_tensor(self.dtype, tile_layout, byte_alignment=16)
+        dx_tile = smem.allocate_tensor(self.out_dtype, tile_layout, byte_alignment=16) if const_expr(
+            self.dx_t_out) else None
+        n_tile = smem.allocate_tensor(self.n_dtype, tile_layout, byte_alignment=16)
         # dγ of each warp's rows, per column: lanes of one run are reduced by shuffles first.
         dgamma_buffer = smem.allocate_tensor(
             Float32, cute.make_layout((num_warps, tile_cols), stride=(tile_cols, 1)), byte_alignment=16)
@@ -620,25 +651,25 @@ class RmsBwdQuantizeKernel:
             n16 = cute.make_rmem_tensor((run,), self.dtype)
             n16.store((xr * gamma).to(self.dtype))
             dx_values, n_values = dx16.load().to(Float32), n16.load().to(Float32)
-            dx_max = cute.arch.fmax(dx_max, _max_abs(dx_values))
-            n_max = cute.arch.fmax(n_max, _max_abs(n_values))
-            swizzle = (r // _SEGMENT) % vectors_per_row
+            dx_max = _max_abs(dx_max, dx_values, run)
+            n_max = _max_abs(n_max, n_values, run)
             for half in cutlass.range_constexpr(2):
                 if row < n_rows and col + half * _VEC < n_cols:
                     cute.copy(in_atom, cute.local_tile(dx16, (_VEC,), (half,)),
                               cute.local_tile(mDx[row, None], (_VEC,), (col // _VEC + half,)))
-                staged = (run_idx * 2 + half) ^ swizzle
-                cute.copy(in_atom, cute.local_tile(dx16, (_VEC,), (half,)),
-                          cute.local_tile(dx_tile[r, None], (_VEC,), (staged,)))
-                cute.copy(in_atom, cute.local_tile(n16, (_VEC,), (half,)),
-                          cute.local_tile(n_tile[r, None], (_VEC,), (staged,)))
-            if const_expr(self.rows_out):
-                out = cute.make_rmem_tensor((run,), self.out_dtype)
-                out.store((dx_values * dx_scale).to(self.out_dtype))
-                for k in cutlass.range_constexpr(run // store):
-                    if row < n_rows and col + k * store < n_cols:
-                        cute.copy(out_atom, cute.local_tile(out, (store,), (k,)),
-                                  cute.local_tile(mDxq[row, None], (store,), (col // store + k,)))
+            n8 = cute.make_rmem_tensor((run,), self.n_dtype)
+            n8.store((n_values * n_scale).to(self.n_dtype))
+            _stage(n_tile, n8, r, run_idx * run, tile_cols)
+            if const_expr(self.rows_out or self.dx_t_out):
+                dx8 = cute.make_rmem_tensor((run,), self.out_dtype)
+                dx8.store((dx_values * dx_scale).to(self.out_dtype))
+                if const_expr(self.dx_t_out):
+                    _stage(dx_tile, dx8, r, run_idx * run, tile_cols)
+                if const_expr(self.rows_out):
+                    for k in cutlass.range_constexpr(run // store):
+                        if row < n_rows and col + k * store < n_cols:
+                            cute.copy(out_atom, cute.local_tile(dx8, (store,), (k,)),
+                                      cute.local_tile(mDxq[row, None], (store,), (col // store + k,)))
         # dγ: the 8 lanes of a warp that share a run (lanes ≡ run_idx mod 4) by shuffles, then the
         # warps' sums through shared memory.
         for j in cutlass.range_constexpr(run):
@@ -657,9 +688,13 @@ class RmsBwdQuantizeKernel:
                 total += dgamma_buffer[w, tidx]
             mDgamma[tile_row, col0 + tidx] = total
 
+        # n's gather on threads [0, 128), dx's on [128, 256).
+        if tidx < 2 * tile_cols:
+            _store_transposed(n_tile, mNT, tidx, row0, col0, n_rows, n_cols, tile_cols, store)
         if const_expr(self.dx_t_out):
-            _store_transposed(dx_tile, mDxqT, dx_scale, tidx, row0, col0, n_rows, n_cols, tile_cols, store)
-        _store_transposed(n_tile, mNT, n_scale, tidx, row0, col0, n_rows, n_cols, tile_cols, store)
+            if tidx >= 2 * tile_cols:
+                _store_transposed(dx_tile, mDxqT, tidx - 2 * tile_cols, row0, col0, n_rows, n_cols, tile_cols,
+                                  store)
 
         threads = const_expr(_TRANSPOSE_THREADS)
         dx_tile_max = row_reduce(dx_max, cute.ReductionOp.MAX, threads, dx_max_buffer, init_val=0.0)
