@@ -150,6 +150,34 @@ def _gather_lane(t: cutlass.Int32) -> tuple[cutlass.Int32, cutlass.Int32, cutlas
     return t % 4, (t // 4) % 8, t // 32
 
 
+def _max_buffer(smem: cutlass.utils.SmemAllocator) -> cute.Tensor:
+    """Shared memory for one `_store_tile_max` (one per reduction of a CTA: the second may start
+    while warps still read the first)."""
+    num_warps = _TRANSPOSE_THREADS // cute.arch.WARP_SIZE
+    return smem.allocate_tensor(Float32, cute.make_layout((1, (num_warps, 1))), byte_alignment=8)
+
+
+@cute.jit
+def _store_tile_max(value: Float32, buffer: cute.Tensor, mAmax: cute.Tensor, tile_row: cutlass.Int32,
+                    tile_col: cutlass.Int32, tidx: cutlass.Int32) -> None:
+    """The maximum of the CTA's threads' (non-negative) `value`s into mAmax[tile_row, tile_col]."""
+    tile_max = row_reduce(value, cute.ReductionOp.MAX, _TRANSPOSE_THREADS, buffer, init_val=0.0)
+    if tidx == 0:
+        mAmax[tile_row, tile_col] = tile_max
+
+
+@cute.jit
+def _store_row_run(values: cute.Tensor, mOut: cute.Tensor, row: cutlass.Int32, col: cutlass.Int32,
+                   n_rows: cutlass.Int32, n_cols: cutlass.Int32, store: cutlass.Constexpr[int]) -> None:
+    """A thread's run of FP8 values of row `row` from column `col` into the row-major copy, in
+    `store`-element pieces masked to (n_rows, n_cols)."""
+    out_atom = get_copy_atom(mOut.element_type, store)
+    for k in cutlass.range_constexpr(cute.size(values.shape) // store):
+        if row < n_rows and col + k * store < n_cols:
+            cute.copy(out_atom, cute.local_tile(values, (store,), (k,)),
+                      cute.local_tile(mOut[row, None], (store,), (col // store + k,)))
+
+
 @cute.jit
 def _stage(tile: cute.Tensor, values: cute.Tensor, r: cutlass.Int32, col: cutlass.Int32,
            tile_cols: cutlass.Constexpr[int]) -> None:
@@ -241,12 +269,10 @@ class QuantizeTransposeKernel:
         smem = cutlass.utils.SmemAllocator()
         tile_layout = cute.make_layout((tile_rows, tile_cols), stride=(tile_cols, 1))
         tile = smem.allocate_tensor(self.out_dtype, tile_layout, byte_alignment=16)
-        num_warps = const_expr(_TRANSPOSE_THREADS // cute.arch.WARP_SIZE)
-        max_buffer = smem.allocate_tensor(Float32, cute.make_layout((1, (num_warps, 1))), byte_alignment=8)
+        max_buffer = _max_buffer(smem)
         scale = mScale[0]
         in_atom = get_copy_atom(self.dtype, _VEC)
         store = const_expr(self.store_elems)
-        out_atom = get_copy_atom(self.out_dtype, store)
 
         # Phase 1: thread t owns run t % 4 of rows t // 4 + 64 s (s < row_steps). All loads first.
         r_first, run_idx = tidx // runs_per_row, tidx % runs_per_row
@@ -269,18 +295,13 @@ class QuantizeTransposeKernel:
             quantized.store((x * scale).to(self.out_dtype))
             _stage(tile, quantized, r, run_idx * run, tile_cols)
             if const_expr(self.rows_out):
-                for k in cutlass.range_constexpr(run // store):
-                    if row < n_rows and col + k * store < n_cols:
-                        cute.copy(out_atom, cute.local_tile(quantized, (store,), (k,)),
-                                  cute.local_tile(mOut[row, None], (store,), (col // store + k,)))
+                _store_row_run(quantized, mOut, row, col, n_rows, n_cols, store)
         cute.arch.barrier()
 
         if tidx < 2 * tile_cols:
             _store_transposed(tile, mOutT, tidx, row0, col0, n_rows, n_cols, tile_cols, store)
 
-        tile_max = row_reduce(local_max, cute.ReductionOp.MAX, _TRANSPOSE_THREADS, max_buffer, init_val=0.0)
-        if tidx == 0:
-            mAmax[tile_row, tile_col] = tile_max
+        _store_tile_max(local_max, max_buffer, mAmax, tile_row, tile_col, tidx)
 
 
 @jit_cache
@@ -419,15 +440,10 @@ class DSwigluQuantizeKernel:
         y_tile = smem.allocate_tensor(
             self.y_dtype, cute.make_layout((tile_rows, tile_cols // 2), stride=(tile_cols // 2, 1)),
             byte_alignment=16)
-        num_warps = const_expr(_TRANSPOSE_THREADS // cute.arch.WARP_SIZE)
-        dp_max_buffer, y_max_buffer = (
-            smem.allocate_tensor(Float32, cute.make_layout((1, (num_warps, 1))), byte_alignment=8)
-            for _ in range(2)
-        )
+        dp_max_buffer, y_max_buffer = _max_buffer(smem), _max_buffer(smem)
         dp_scale, y_scale = mDpScale[0], mYScale[0]
         in_atom = get_copy_atom(self.dtype, _VEC)
         store = const_expr(self.store_elems)
-        out_atom = get_copy_atom(self.dp_dtype, store)
 
         # Phase 1: thread t owns run t % 4 (8 pairs) of rows t // 4 + 64 s. All loads first.
         r_first, run_idx = tidx // runs_per_row, tidx % runs_per_row
@@ -480,10 +496,7 @@ class DSwigluQuantizeKernel:
             y8.store((y_values * y_scale).to(self.y_dtype))
             _stage(y_tile, y8, r, run_idx * pairs, tile_cols // 2)
             if const_expr(self.rows_out):
-                for k in cutlass.range_constexpr(run // store):
-                    if row < n_rows and col < col_end:
-                        cute.copy(out_atom, cute.local_tile(dp8, (store,), (k,)),
-                                  cute.local_tile(mDp[row, None], (store,), (col // store + k,)))
+                _store_row_run(dp8, mDp, row, col, n_rows, col_end, store)
         cute.arch.barrier()
 
         # dpreact's gather on threads [0, 128), y's (half as wide) on [128, 192).
@@ -493,12 +506,8 @@ class DSwigluQuantizeKernel:
             _store_transposed(y_tile, mYT, tidx - 2 * tile_cols, row0, col0 // 2, n_rows, col_end // 2,
                               tile_cols // 2, store)
 
-        threads = const_expr(_TRANSPOSE_THREADS)
-        dp_tile_max = row_reduce(dp_max, cute.ReductionOp.MAX, threads, dp_max_buffer, init_val=0.0)
-        y_tile_max = row_reduce(y_max, cute.ReductionOp.MAX, threads, y_max_buffer, init_val=0.0)
-        if tidx == 0:
-            mDpAmax[tile_row, tile_col] = dp_tile_max
-            mYAmax[tile_row, tile_col] = y_tile_max
+        _store_tile_max(dp_max, dp_max_buffer, mDpAmax, tile_row, tile_col, tidx)
+        _store_tile_max(y_max, y_max_buffer, mYAmax, tile_row, tile_col, tidx)
 
 
 @jit_cache
@@ -599,14 +608,10 @@ class RmsBwdQuantizeKernel:
         # dγ of each warp's rows, per column: lanes of one run are reduced by shuffles first.
         dgamma_buffer = smem.allocate_tensor(
             Float32, cute.make_layout((num_warps, tile_cols), stride=(tile_cols, 1)), byte_alignment=16)
-        dx_max_buffer, n_max_buffer = (
-            smem.allocate_tensor(Float32, cute.make_layout((1, (num_warps, 1))), byte_alignment=8)
-            for _ in range(2)
-        )
+        dx_max_buffer, n_max_buffer = _max_buffer(smem), _max_buffer(smem)
         dx_scale, n_scale = mDxScale[0], mNScale[0]
         in_atom = get_copy_atom(self.dtype, _VEC)
         store = const_expr(self.store_elems)
-        out_atom = get_copy_atom(self.out_dtype, store)
 
         # Phase 1: thread t owns run t % 4 (16 columns) of rows t // 4 + 64 s. All loads first.
         r_first, run_idx = tidx // runs_per_row, tidx % runs_per_row
@@ -666,10 +671,7 @@ class RmsBwdQuantizeKernel:
                 if const_expr(self.dx_t_out):
                     _stage(dx_tile, dx8, r, run_idx * run, tile_cols)
                 if const_expr(self.rows_out):
-                    for k in cutlass.range_constexpr(run // store):
-                        if row < n_rows and col + k * store < n_cols:
-                            cute.copy(out_atom, cute.local_tile(dx8, (store,), (k,)),
-                                      cute.local_tile(mDxq[row, None], (store,), (col // store + k,)))
+                    _store_row_run(dx8, mDxq, row, col, n_rows, n_cols, store)
         # dγ: the 8 lanes of a warp that share a run (lanes ≡ run_idx mod 4) by shuffles, then the
         # warps' sums through shared memory.
         for j in cutlass.range_constexpr(run):
@@ -696,12 +698,8 @@ class RmsBwdQuantizeKernel:
                 _store_transposed(dx_tile, mDxqT, tidx - 2 * tile_cols, row0, col0, n_rows, n_cols, tile_cols,
                                   store)
 
-        threads = const_expr(_TRANSPOSE_THREADS)
-        dx_tile_max = row_reduce(dx_max, cute.ReductionOp.MAX, threads, dx_max_buffer, init_val=0.0)
-        n_tile_max = row_reduce(n_max, cute.ReductionOp.MAX, threads, n_max_buffer, init_val=0.0)
-        if tidx == 0:
-            mDxAmax[tile_row, tile_col] = dx_tile_max
-            mNAmax[tile_row, tile_col] = n_tile_max
+        _store_tile_max(dx_max, dx_max_buffer, mDxAmax, tile_row, tile_col, tidx)
+        _store_tile_max(n_max, n_max_buffer, mNAmax, tile_row, tile_col, tidx)
 
 
 @jit_cache
