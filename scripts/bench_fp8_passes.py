@@ -3,6 +3,8 @@ quantize into both orientations) at 8B widths, this checkout's against those of 
 in one process (docs/benchmarks.md, session 18).
 
     python scripts/bench_fp8_passes.py --before 8841d09 [--json out.json]
+    git show 8841d09:codatrain/kernels/cute/quantize.py > /tmp/q.py   # where the run has no git
+    python scripts/bench_fp8_passes.py --before /tmp/q.py
 
 The earlier `codatrain/kernels/cute/quantize.py` is read from git and loaded under other names (its
 kernel classes, compile functions and torch ops renamed): QuACK's compile cache files kernels by
@@ -30,9 +32,13 @@ QUANTIZE = "codatrain/kernels/cute/quantize.py"
 
 
 def load_revision(revision: str):
-    """`QUANTIZE` at `revision` as a module whose kernels and ops do not collide with this checkout's."""
-    source = subprocess.run(["git", "show", f"{revision}:{QUANTIZE}"], check=True, capture_output=True,
-                            text=True, cwd=Path(__file__).resolve().parents[1]).stdout
+    """`QUANTIZE` at `revision` (a git revision, or a copy of that file where there is no git, as on
+    the GPU machine) as a module whose kernels and ops do not collide with this checkout's."""
+    if Path(revision).is_file():
+        source = Path(revision).read_text()
+    else:
+        source = subprocess.run(["git", "show", f"{revision}:{QUANTIZE}"], check=True, capture_output=True,
+                                text=True, cwd=Path(__file__).resolve().parents[1]).stdout
     source = re.sub(r"\bcompile_(quantize|dswiglu|rms)", r"before_compile_\1", source)
     source = source.replace('"codatrain::cute_', '"codatrain::before_cute_')
     source = re.sub(r"\b(\w+QuantizeKernel|QuantizeTransposeKernel|QuantizeKernel)\b", r"Before\1", source)
@@ -104,7 +110,8 @@ def passes(device: torch.device) -> dict[str, tuple[Callable, int]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--before", required=True, help="the git revision whose passes to compare against")
+    parser.add_argument("--before", required=True,
+                        help="the git revision to compare against, or that revision's quantize.py")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if not torch.cuda.is_available():
