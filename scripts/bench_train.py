@@ -11,7 +11,9 @@ Everything after `--` is passed to scripts/train.py for every variant. Each vari
 records (metrics.jsonl) are read back; the first `--warmup` steps are excluded and the medians of
 the rest are reported: time per step, tokens/s and TFLOP/s per device, MFU, peak memory and the
 resident model state (parameters + optimizer state, allocated between steps), whose difference is
-what a step needs for activations, gradients and temporaries. Writes <out>/bench_train.json (after
+what a step needs for activations, gradients and temporaries, and the CUDA caching allocator's
+retries in the timed steps (each frees its cache and synchronizes the device: a step at the card's
+capacity, slower than its kernels). Writes <out>/bench_train.json (after
 every variant: a run stopped by a time limit keeps the finished ones) and prints a table; `--replot`
 redraws the chart and the table from such JSONs (`FILE:a,b` takes the variants a and b of FILE; a
 variant in a later file replaces one of the same name). `--profile N` profiles N more steps after
@@ -88,18 +90,18 @@ def print_table(summaries: list[dict]) -> None:
     """One row per variant; tokens/s relative to `compile` (eager + torch.compile) when it ran."""
     base = next((s for s in summaries if s["variant"] == "compile" and "error" not in s), None)
     print(f"\n{'variant':<14}{'ms/step':>9}{'tok/s/dev':>11}{'TFLOP/s':>9}{'MFU':>7}{'peak GiB':>10}"
-          f"{'state GiB':>11}{'step GiB':>10}{'vs compile':>12}")
+          f"{'state GiB':>11}{'step GiB':>10}{'retries':>9}{'vs compile':>12}")
     for s in summaries:
         if "error" in s:
             print(f"{s['variant']:<14}  {s['error']}")
             continue
         mfu = "n/a" if s["mfu"] is None else f"{100 * s['mfu']:.1f}%"
         ratio = f"{s['tokens_per_s_per_device'] / base['tokens_per_s_per_device']:.3f}x" if base else "-"
-        state, step = (s.get(k) for k in ("resident_memory_gib", "step_memory_gib"))
+        state, step, retries = (s.get(k) for k in ("resident_memory_gib", "step_memory_gib", "alloc_retries"))
         print(f"{s['variant']:<14}{1e3 * s['step_time_s']:>9.1f}{s['tokens_per_s_per_device']:>11,.0f}"
               f"{s['tflops_per_device']:>9.1f}{mfu:>7}{s['peak_memory_gib']:>10.2f}"
               f"{'-' if state is None else f'{state:.2f}':>11}{'-' if step is None else f'{step:.2f}':>10}"
-              f"{ratio:>12}")
+              f"{'-' if retries is None else retries:>9}{ratio:>12}")
 
 
 def merge_reports(sources: list[str]) -> dict:

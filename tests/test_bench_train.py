@@ -49,6 +49,20 @@ def test_summary_takes_medians_after_warmup():
     assert "error" in summarize({"variant": "eager", "records": records[:1], "profile": None}, warmup=1)
 
 
+def test_summary_counts_the_allocator_retries_of_the_timed_steps():
+    """The records carry the allocator's retries since the process started; the summary reports
+    those of the timed steps (after the last warm-up step's count), and None where there is no GPU."""
+    records = [{"step": s, "loss": 1.0, "step_time_s": 1.0, "tokens_per_s_per_device": 1.0,
+                "tflops_per_device": 1.0, "mfu": None, "peak_memory_gib": 1.0, "resident_memory_gib": 1.0,
+                "reserved_memory_gib": 2.0 + s, "alloc_retries": retries, "data_time_s": 0.0}
+               for s, retries in zip(range(1, 5), (2, 5, 5, 9), strict=True)]
+    summary = summarize({"variant": "coda", "records": records, "profile": None}, warmup=1)
+    assert summary["alloc_retries"] == 7 and summary["reserved_memory_gib"] == 6.0
+    cpu = [{**r, "reserved_memory_gib": None, "alloc_retries": None} for r in records]
+    summary = summarize({"variant": "coda", "records": cpu, "profile": None}, warmup=1)
+    assert summary["alloc_retries"] is None and summary["reserved_memory_gib"] is None
+
+
 def test_a_run_stopped_after_one_variant_keeps_its_report(tmp_path, monkeypatch):
     sys.path.insert(0, str(REPO / "scripts"))
     import bench_train

@@ -67,3 +67,24 @@ def test_a_resumed_run_drops_the_records_past_its_checkpoint(tmp_path):
     assert [r["step"] for r in read_records(tmp_path)] == [1, 2, 3, 4]
     assert read_records(tmp_path)[-1] == {"step": 4, "val_loss": 1.0}
     assert (tmp_path / "train.log").read_text() == "step 4/300 | val loss 1.0000\n"
+
+
+def test_allocator_retries_are_warned_at_first_and_when_doubled(monkeypatch):
+    """A run at the card's capacity retries every step: one warning line at the first retries (the
+    count, the step, the reserved peak against the card's memory), then only when the count has
+    doubled since the last; none for a CPU run (None)."""
+    from types import SimpleNamespace
+
+    from codatrain.train.trainer import Trainer
+
+    lines = []
+    card = SimpleNamespace(total_memory=80 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: card)
+    trainer = SimpleNamespace(reported_retries=0, step=0, logger=SimpleNamespace(info=lines.append),
+                              dist=SimpleNamespace(device=torch.device("cuda", 0)))
+    for step, retries in enumerate((None, 0, 3, 5, 6, 9, 11), start=1):
+        trainer.step = step
+        Trainer.report_alloc_retries(trainer, {"alloc_retries": retries, "reserved_memory_gib": 79.5})
+    assert len(lines) == 2 and trainer.reported_retries == 6
+    assert "3 CUDA allocation retries by step 3" in lines[0] and "79.50 of 80.00 GiB" in lines[0]
+    assert "6 CUDA allocation retries by step 5" in lines[1]

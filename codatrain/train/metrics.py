@@ -72,6 +72,21 @@ def resident_memory_gib(device: torch.device) -> float | None:
     return torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
+def alloc_retries(device: torch.device) -> int | None:
+    """How often the CUDA caching allocator has found no free cached block and no free device
+    memory for a request since the process started, and so released its whole cache
+    (synchronizing the device) and tried again; None on CPU. Each retry stalls the step: the GPU
+    drains and idles while the host frees and reallocates. Retries mean the step runs at the
+    card's capacity (torchtitan warns on them too)."""
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else None
+
+
+def reserved_memory_gib(device: torch.device) -> float | None:
+    """Peak memory the caching allocator held from the device (allocated plus its cached free
+    blocks): what the card must have; None on CPU."""
+    return torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None
+
+
 def format_mfu(mfu: float | None) -> str:
     return "n/a" if mfu is None else f"{100 * mfu:.1f}%"
 

@@ -117,6 +117,13 @@ def summarize(result: dict[str, Any], warmup: int) -> dict[str, Any]:
     mfu = [r["mfu"] for r in timed if r.get("mfu") is not None]
     resident = [r["resident_memory_gib"] for r in timed if r.get("resident_memory_gib") is not None]
     peak = max(r["peak_memory_gib"] for r in timed)
+    reserved = [r["reserved_memory_gib"] for r in timed if r.get("reserved_memory_gib") is not None]
+    # The allocator counts its retries from the process start: the timed steps' own are the count at
+    # the last timed step less the count at the last warm-up step.
+    warm = [r for r in result["records"] if r["step"] <= warmup and "step_time_s" in r]
+    retries = timed[-1].get("alloc_retries")
+    if retries is not None and warm:
+        retries -= warm[-1].get("alloc_retries") or 0
     return {
         "variant": result["variant"],
         "timed_steps": len(timed),
@@ -127,6 +134,8 @@ def summarize(result: dict[str, Any], warmup: int) -> dict[str, Any]:
         "peak_memory_gib": peak,
         "resident_memory_gib": statistics.median(resident) if resident else None,
         "step_memory_gib": peak - statistics.median(resident) if resident else None,
+        "reserved_memory_gib": max(reserved) if reserved else None,
+        "alloc_retries": retries,
         "data_time_s": median("data_time_s"),
         "final_loss": timed[-1]["loss"],
         "losses": {r["step"]: r["loss"] for r in result["records"]},

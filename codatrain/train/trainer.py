@@ -32,9 +32,11 @@ from codatrain.train.fp8_allgather import refresh_scales, wrap_fp8_weights
 from codatrain.train.kernel_cache import KernelCache
 from codatrain.train.logger import RunLogger, format_duration
 from codatrain.train.metrics import (
+    alloc_retries,
     format_mfu,
     peak_flops,
     peak_memory_gib,
+    reserved_memory_gib,
     resident_memory_gib,
     throughput,
 )
@@ -139,9 +141,9 @@ class Trainer:
         )
         self.step = self.checkpointer.restore()
         # Loop state: steps skipped as non-finite, the time since the last record and in this run,
-        # and the bad data rows already reported.
+        # and the bad data rows and allocator retries (the count at the last warning) already reported.
         self.skipped_steps, self.window, self.run_time = 0, StepTime(), StepTime()
-        self.reported_rows = 0
+        self.reported_rows, self.reported_retries = 0, 0
 
     # ---- one optimizer step -------------------------------------------------------------------
     def train_step(self, batches) -> tuple[float, float, float]:
@@ -239,6 +241,7 @@ class Trainer:
             if record:
                 self.logger.log(record)
                 self.report_skipped_rows()
+                self.report_alloc_retries(record)
             self.checkpointer.after_step(self.step, tcfg.steps)
         profiler.stop()
         result.final_step = self.step
@@ -257,6 +260,22 @@ class Trainer:
             self.logger.info(f"warning: {count} bad data rows skipped so far on rank {self.dist.rank} "
                              f"(data.on_bad_data=skip); the last: {last}")
             self.reported_rows = count
+
+    def report_alloc_retries(self, record: dict[str, Any]) -> None:
+        """A warning when the CUDA caching allocator had to free its cache and retry: each retry
+        synchronizes the device, so the step runs slower than its kernels. Warned at the first
+        retries and again whenever the count has doubled since (a run at capacity retries every
+        step; the count is in every metrics record)."""
+        retries = record.get("alloc_retries")
+        if retries is None or retries < max(1, 2 * self.reported_retries):
+            return
+        total = torch.cuda.get_device_properties(self.dist.device).total_memory / 2**30
+        self.logger.info(
+            f"warning: {retries} CUDA allocation retries by step {self.step} (no free memory: the "
+            f"allocator freed its cache and synchronized the device, a stall each time; peak reserved "
+            f"{record['reserved_memory_gib']:.2f} of {total:.2f} GiB): the step runs at the card's memory "
+            "capacity; a smaller train.micro_batch_size avoids it")
+        self.reported_retries = retries
 
     def finite_or_skipped(self, loss: float, grad_norm: float) -> bool:
         """True for a finite step. A non-finite one drops its gradients and is skipped while
@@ -321,6 +340,8 @@ class Trainer:
             "step_time_s": window.seconds / window.steps, "data_time_s": window.data_seconds / window.steps,
             "peak_memory_gib": peak_memory_gib(self.dist.device),
             "resident_memory_gib": resident_memory_gib(self.dist.device),
+            "reserved_memory_gib": reserved_memory_gib(self.dist.device),
+            "alloc_retries": alloc_retries(self.dist.device),
         }
 
     def summary(self, result: TrainResult, elapsed: float) -> str:
