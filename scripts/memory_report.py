@@ -20,7 +20,9 @@ cannot see. A profiled GPU run records it: `train.profile_steps=1` (or `bench_tr
     python scripts/memory_report.py --snapshot runs/<run>/profile/memory_rank0.pickle [--top 20]
 
 replays it on any machine: the step's peak of allocated bytes, the allocation that reached it, and
-the allocations alive there, each with the codatrain frames that made it.
+the allocations alive there, each with the codatrain frames that made it, and where the allocator
+released its cache to retry an allocation (a step at the card's capacity: see `alloc_retries` in
+the run's metrics).
 """
 
 import argparse
@@ -164,9 +166,30 @@ def replay_snapshot(snapshot: dict[str, Any], device: int = 0) -> dict[str, Any]
     return {"before_bytes": before, "peak_bytes": peak, "peak_at": peak_at, "alive": alive}
 
 
+def cache_releases(snapshot: dict[str, Any], device: int = 0) -> list[dict[str, Any]]:
+    """Where the caching allocator released cached segments in the history: each run of
+    `segment_free` events, which (with no `empty_cache` in the step) is an allocation that found no
+    free device memory and was retried after the cache was released (`num_alloc_retries`), a device
+    synchronization. Each: the segments and bytes released, and the allocation that came next (its
+    size and the codatrain frames that made it)."""
+    trace, releases = snapshot["device_traces"][device], []
+    for index, event in enumerate(trace):
+        if event["action"] != "segment_free" or (index and trace[index - 1]["action"] == "segment_free"):
+            continue
+        end = index
+        while end < len(trace) and trace[end]["action"] == "segment_free":
+            end += 1
+        then = next((e for e in trace[end:] if e["action"] == "alloc"), None)
+        releases.append({"segments": end - index, "bytes": sum(e["size"] for e in trace[index:end]),
+                         "then_bytes": None if then is None else then["size"],
+                         "then_at": "(none)" if then is None else _frames(then.get("frames", []))})
+    return releases
+
+
 def snapshot_report(path: Path, top: int) -> None:
     with path.open("rb") as f:
-        report = replay_snapshot(pickle.load(f))
+        snapshot = pickle.load(f)
+    report = replay_snapshot(snapshot)
     print(f"{path}: peak {report['peak_bytes'] / 2**30:.3f} GiB allocated, of which "
           f"{report['before_bytes'] / 2**30:.3f} GiB before the recorded step (parameters, optimizer "
           f"state, caches); reached at {report['peak_at']}")
@@ -177,6 +200,13 @@ def snapshot_report(path: Path, top: int) -> None:
     for maker, sizes in sorted(groups.items(), key=lambda item: -sum(item[1]))[:top]:
         print(f"  {sum(sizes) / 2**20:10.1f} MiB  {len(sizes):4d} × (largest {max(sizes) / 2**20:.1f})"
               f"  {maker}")
+    releases = cache_releases(snapshot)
+    print(f"  cache releases in the step (an allocation retried after freeing the cache: a device "
+          f"synchronization each): {len(releases)}")
+    for release in releases:
+        then = "nothing" if release["then_bytes"] is None else f"{release['then_bytes'] / 2**20:.1f} MiB"
+        print(f"  {release['bytes'] / 2**20:10.1f} MiB in {release['segments']} segments released, then "
+              f"{then} at {release['then_at']}")
 
 
 def main(argv: list[str]) -> int | str:

@@ -82,3 +82,16 @@ def test_memory_report_replays_a_gpu_allocator_history_to_its_peak():
     assert report["before_bytes"] == 100 and report["peak_bytes"] == 190
     assert report["peak_at"] == "bwd:1"
     assert [(e["bytes"], e["made_by"]) for e in report["alive"]] == [(60, "fwd:1"), (30, "bwd:1")]
+
+
+def test_memory_report_finds_where_the_allocator_released_its_cache():
+    """A retried allocation shows as a run of segment_free events (the cache released) before the
+    segment and block that satisfy it: one release per run, with the allocation that came next."""
+    from memory_report import cache_releases
+
+    trace = [_event("alloc", 1, 60, "fwd"), _event("segment_free", 7, 256), _event("segment_free", 8, 512),
+             _event("segment_alloc", 9, 1024), _event("alloc", 9, 1000, "bwd"),
+             _event("free_completed", 1, 60), _event("segment_free", 5, 128)]
+    releases = cache_releases({"segments": [], "device_traces": [trace]})
+    assert releases == [{"segments": 2, "bytes": 768, "then_bytes": 1000, "then_at": "bwd:1"},
+                        {"segments": 1, "bytes": 128, "then_bytes": None, "then_at": "(none)"}]
