@@ -14,7 +14,8 @@ behind the GPU, or waits on it) comes from the Chrome trace beside the summary:
     python scripts/profile_breakdown.py --gaps runs/prof/coda_fp8/profile/trace_rank0.json
 
 sums the gaps between device activity per step and names the host operators whose launches ended
-them, the largest first.
+them, the largest first; `--kernels TRACE` lists the longest kernels per step, each split by the
+host operators that launched it (to line up two variants' GEMMs of the same shape).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def breakdown(summary: str) -> tuple[dict[str, float], float, int]:
         if not KERNEL.match(name) or (name, row[self_device]) in seen:
             continue
         seen.add((name, row[self_device]))
-        family = next(f for f, pattern in FAMILIES if re.search(pattern, name))
+        family = family_of(name)
         families[family] = families.get(family, 0.0) + 1e3 * seconds(row[self_device]) / steps
     return families, 1e3 * seconds(total.split(":")[1].strip()) / steps, steps
 
@@ -76,18 +77,22 @@ def breakdown(summary: str) -> tuple[dict[str, float], float, int]:
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-def idle_gaps(trace: dict, min_gap_us: float = 5.0) -> tuple[float, int, dict[str, tuple[float, int]]]:
-    """(GPU idle ms per profiled step, steps, {launching host operator: (idle ms per step, gaps)}):
-    the gaps of at least `min_gap_us` between device activity from the first profiled step's first
-    kernel to the last one's end, each charged to the host operators (cpu_op) open at the launch of
-    the activity ending it, as "outermost › innermost" ("(no operator)" for a bare runtime call)."""
-    events = trace["traceEvents"]
+def _profiled_steps(events: list[dict]) -> int:
     steps = sum(1 for e in events
                 if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#"))
     if steps == 0:
         raise ValueError("no ProfilerStep annotations")
-    device = sorted((e for e in events if e.get("cat") in GPU_CATEGORIES and e.get("ph") == "X"),
-                    key=lambda e: e["ts"])
+    return steps
+
+
+def _device_activity(events: list[dict]) -> list[dict]:
+    return sorted((e for e in events if e.get("cat") in GPU_CATEGORIES and e.get("ph") == "X"),
+                  key=lambda e: e["ts"])
+
+
+def _launcher_names(events: list[dict]):
+    """A function naming the host operators (cpu_op) open at the launch of a device activity, as
+    "outermost › innermost" ("(no operator)" for a bare runtime call)."""
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
     ops: dict[object, list[dict]] = {}
@@ -112,6 +117,18 @@ def idle_gaps(trace: dict, min_gap_us: float = 5.0) -> tuple[float, int, dict[st
         outer, inner = covering[0]["name"], covering[-1]["name"]
         return outer if outer == inner else f"{outer} › {inner}"
 
+    return launcher
+
+
+def idle_gaps(trace: dict, min_gap_us: float = 5.0) -> tuple[float, int, dict[str, tuple[float, int]]]:
+    """(GPU idle ms per profiled step, steps, {launching host operator: (idle ms per step, gaps)}):
+    the gaps of at least `min_gap_us` between device activity from the first profiled step's first
+    kernel to the last one's end, each charged to the host operators (cpu_op) open at the launch of
+    the activity ending it, as "outermost › innermost" ("(no operator)" for a bare runtime call)."""
+    events = trace["traceEvents"]
+    steps = _profiled_steps(events)
+    device = _device_activity(events)
+    launcher = _launcher_names(events)
     idle, by_op = 0.0, {}
     busy_until = device[0]["ts"] + device[0]["dur"]
     for activity in device[1:]:
@@ -126,6 +143,26 @@ def idle_gaps(trace: dict, min_gap_us: float = 5.0) -> tuple[float, int, dict[st
     return idle / 1e3 / steps, steps, per_step
 
 
+def kernel_times(trace: dict) -> tuple[int, list[tuple[str, str, float, float]]]:
+    """(steps, [(kernel name, launching host operators, ms per step, launches per step)]), the
+    longest first: each kernel's time split by where it was launched from, so two variants' GEMMs
+    of the same shape line up by operator (a forward stage, a dgrad, a weight gradient)."""
+    events = trace["traceEvents"]
+    steps = _profiled_steps(events)
+    launcher = _launcher_names(events)
+    totals: dict[tuple[str, str], tuple[float, int]] = {}
+    for activity in _device_activity(events):
+        key = (activity["name"], launcher(activity))
+        us, count = totals.get(key, (0.0, 0))
+        totals[key] = (us + activity["dur"], count + 1)
+    rows = [(name, op, us / 1e3 / steps, count / steps) for (name, op), (us, count) in totals.items()]
+    return steps, sorted(rows, key=lambda row: -row[2])
+
+
+def family_of(kernel: str) -> str:
+    return next(f for f, pattern in FAMILIES if re.search(pattern, kernel))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -133,8 +170,18 @@ def main() -> None:
     parser.add_argument("summaries", nargs="*", type=Path)
     parser.add_argument("--gaps", nargs="+", type=Path, default=[], metavar="TRACE",
                         help="the GPU's idle time in these Chrome traces (trace_rank0.json)")
-    parser.add_argument("--top", type=int, default=15, help="host operators to list per trace")
+    parser.add_argument("--kernels", nargs="+", type=Path, default=[], metavar="TRACE",
+                        help="the longest kernels in these Chrome traces, by launching operator")
+    parser.add_argument("--top", type=int, default=15, help="host operators (kernels) to list per trace")
     args = parser.parse_args()
+    for path in args.kernels:
+        try:
+            steps, rows = kernel_times(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, IndexError) as error:
+            raise SystemExit(f"{path}: not a torch.profiler Chrome trace ({error!r})") from None
+        print(f"{path} ({steps} steps): the longest kernels, ms and launches per step")
+        for name, op, ms, count in rows[: args.top]:
+            print(f"  {ms:8.2f} ms  {count:7.1f}  {family_of(name)[:24]:24s}  {name[:90]}  <- {op[:80]}")
     for path in args.gaps:
         try:
             idle, steps, by_op = idle_gaps(json.loads(path.read_text()))

@@ -60,3 +60,25 @@ def test_gaps_charge_the_gpu_idle_time_to_the_host_operators_that_ended_it():
     idle, steps, by_op = idle_gaps({"traceEvents": events})
     assert steps == 2 and idle == pytest.approx(0.06)
     assert by_op == {"Layer › aten::mm": (pytest.approx(0.01), 1), "(no operator)": (pytest.approx(0.05), 1)}
+
+
+def test_kernel_times_split_each_kernel_by_its_launching_operator():
+    """Two steps: the same GEMM kernel launched from a forward stage twice and from a weight
+    gradient once; per step 15 µs and 1 launch from the first, 2.5 µs and 0.5 from the second."""
+    from profile_breakdown import kernel_times
+
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "ts": 0, "dur": 100},
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#2", "ts": 100, "dur": 100},
+        {"ph": "X", "cat": "cpu_op", "name": "F3", "ts": 0, "dur": 200, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "wgrad", "ts": 150, "dur": 10, "tid": 2},
+    ]
+    for i, (ts, dur, tid) in enumerate([(10, 10, 1), (110, 20, 1), (155, 5, 2)]):
+        events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1,
+                       "tid": tid, "args": {"correlation": i}})
+        events.append({"ph": "X", "cat": "kernel", "name": "nvjet_gemm", "ts": ts + 2, "dur": dur,
+                       "args": {"correlation": i}})
+    steps, rows = kernel_times({"traceEvents": events})
+    assert steps == 2
+    assert rows == [("nvjet_gemm", "F3", pytest.approx(0.015), 1.0),
+                    ("nvjet_gemm", "wgrad", pytest.approx(0.0025), 0.5)]
