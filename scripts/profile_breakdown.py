@@ -45,6 +45,10 @@ FAMILIES: tuple[tuple[str, str], ...] = (
 KERNEL = re.compile(r"^(kernel_|nvjet|sm90_|cudnn|void |triton_|_lce_glue|Memcpy|Memset|cutlass)")
 
 
+def family_of(kernel: str) -> str:
+    return next(f for f, pattern in FAMILIES if re.search(pattern, kernel))
+
+
 def seconds(text: str) -> float:
     for unit, scale in (("us", 1e-6), ("ms", 1e-3), ("s", 1.0)):
         if text.endswith(unit):
@@ -159,8 +163,12 @@ def kernel_times(trace: dict) -> tuple[int, list[tuple[str, str, float, float]]]
     return steps, sorted(rows, key=lambda row: -row[2])
 
 
-def family_of(kernel: str) -> str:
-    return next(f for f, pattern in FAMILIES if re.search(pattern, kernel))
+def _analyse_trace(path: Path, analyse):
+    """analyse(the Chrome trace at path), or a one-line refusal naming the file."""
+    try:
+        return analyse(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, IndexError) as error:
+        raise SystemExit(f"{path}: not a torch.profiler Chrome trace ({error!r})") from None
 
 
 def main() -> None:
@@ -175,18 +183,12 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=15, help="host operators (kernels) to list per trace")
     args = parser.parse_args()
     for path in args.kernels:
-        try:
-            steps, rows = kernel_times(json.loads(path.read_text()))
-        except (OSError, ValueError, KeyError, IndexError) as error:
-            raise SystemExit(f"{path}: not a torch.profiler Chrome trace ({error!r})") from None
+        steps, rows = _analyse_trace(path, kernel_times)
         print(f"{path} ({steps} steps): the longest kernels, ms and launches per step")
         for name, op, ms, count in rows[: args.top]:
             print(f"  {ms:8.2f} ms  {count:7.1f}  {family_of(name)[:24]:24s}  {name[:90]}  <- {op[:80]}")
     for path in args.gaps:
-        try:
-            idle, steps, by_op = idle_gaps(json.loads(path.read_text()))
-        except (OSError, ValueError, KeyError, IndexError) as error:
-            raise SystemExit(f"{path}: not a torch.profiler Chrome trace ({error!r})") from None
+        idle, steps, by_op = _analyse_trace(path, idle_gaps)
         print(f"{path} ({steps} steps): GPU idle {idle:.2f} ms per step, in gaps ended by launches from")
         for name, (ms, count) in sorted(by_op.items(), key=lambda item: -item[1][0])[: args.top]:
             print(f"  {ms:8.2f} ms  {count / steps:7.1f} gaps  {name}")
