@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from mesh_runs import launch
+from torch.distributed.tensor import DTensor
 
 from codatrain.config import load_config, validate
 from codatrain.model import Llama
@@ -125,6 +126,26 @@ def test_skip_nonfinite_steps_skips_up_to_n(tmp_path, monkeypatch):
         nan_loss_on_steps(patch, {3, 4})  # the second bad step is one too many
         with pytest.raises(NonFiniteError, match="skip_nonfinite_steps=1"):
             run(tmp_path / "b", "train.skip_nonfinite_steps=1")
+
+
+def test_a_skipped_step_leaves_the_weights_as_they_were(tmp_path, monkeypatch):
+    original, calls, weights = Llama.forward, itertools.count(), {}
+
+    def forward(self, tokens, targets=None, **options):  # two micro-batches a step
+        n = next(calls)
+        if n in (2, 4, 6):  # the start of steps 2 and 3, and of step 3's second attempt
+            weights[n] = [p.full_tensor().clone() if isinstance(p, DTensor) else p.detach().clone()
+                          for p in self.parameters()]
+        out = original(self, tokens, targets, **options)
+        return out * float("nan") if n in (4, 5) else out
+
+    monkeypatch.setattr(Llama, "forward", forward)
+    result = run(tmp_path, "train.skip_nonfinite_steps=1", "train.steps=4")
+    assert result.final_step == 4 and next(calls) == 10
+    # Step 2's update changed the weights; the non-finite step's, launched before its loss was
+    # read, changed nothing.
+    assert not all(torch.equal(a, b) for a, b in zip(weights[2], weights[4], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(weights[4], weights[6], strict=True))
 
 
 def trainer(run_dir, *overrides) -> Trainer:

@@ -96,26 +96,32 @@ def test_two_fsdp_processes_share_one_history_that_resumes_on_one(tmp_path, run_
 
 
 def test_a_nonfinite_amax_skips_the_update_and_keeps_the_history(tmp_path, monkeypatch):
-    train_step, optimizer_step = Trainer.train_step, Trainer.optimizer_step
-    calls, updates = itertools.count(1), []
+    complete_step, updates = Trainer.complete_step, []
 
-    def overflowing_train_step(self, batches):
-        out = train_step(self, batches)
-        if next(calls) == 3:  # an activation overflowed: its FP8 copy saturated, its amax is inf
-            self.fp8_scaling.step_amax[1, Operand.down_in] = math.inf
-        return out
-
-    def counted_optimizer_step(self):
+    def counted_complete_step(self):
         updates.append(self.step + 1)
-        return optimizer_step(self)
+        return complete_step(self)
 
-    monkeypatch.setattr(Trainer, "train_step", overflowing_train_step)
-    monkeypatch.setattr(Trainer, "optimizer_step", counted_optimizer_step)
+    monkeypatch.setattr(Trainer, "complete_step", counted_complete_step)
     cfg = load_config([*FAST, f"train.run_dir={tmp_path}", "train.steps=4", *FP8])
     trainer = Trainer(validate(cfg), init_distributed("cpu"))
+    forward, calls, weights = trainer.model.forward, itertools.count(), {}
+
+    def overflowing_forward(*args, **kwargs):  # two micro-batches a step
+        n = next(calls)
+        if n in (4, 6):  # the start of step 3 and of its second attempt
+            weights[n] = [p.full_tensor().clone() for p in trainer.model.parameters()]
+        out = forward(*args, **kwargs)
+        if n == 4:  # an activation of step 3 overflowed: its FP8 copy saturated, its amax is inf
+            trainer.fp8_scaling.step_amax[1, Operand.down_in] = math.inf
+        return out
+
+    trainer.model.forward = overflowing_forward
     result = trainer.fit()
     trainer.close()
-    assert result.final_step == 4 and updates == [1, 2, 3, 4] and next(calls) == 6  # 5 steps computed
+    assert result.final_step == 4 and updates == [1, 2, 3, 4] and next(calls) == 10  # 5 steps computed
+    # The update of the skipped step was launched and did nothing on the device.
+    assert all(torch.equal(a, b) for a, b in zip(weights[4], weights[6], strict=True))
     # Four steps entered the history, newest first; the skipped one left no value.
     history = trainer.fp8_scaling.history
     used = trainer.fp8_scaling.recipe.operands()

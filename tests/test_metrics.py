@@ -6,7 +6,7 @@ import torch
 from codatrain.config import OptimConfig, load_config, validate
 from codatrain.train.logger import METRICS_FILE, RunLogger, read_losses, read_records, windowed
 from codatrain.train.metrics import DENSE_BF16_PEAK_FLOPS, format_mfu, peak_flops, throughput
-from codatrain.train.optim import lr_factor
+from codatrain.train.optim import build_optimizer, lr_factor, update_unless
 
 
 def test_throughput_and_mfu_by_hand():
@@ -43,6 +43,39 @@ def test_schedules():
     assert lr_factor(50, 100, wsd) == 1.0 and lr_factor(79, 100, wsd) == 1.0
     assert lr_factor(90, 100, wsd) == pytest.approx(0.5)
     assert lr_factor(99, 100, wsd) == pytest.approx(0.05)
+
+
+def test_an_update_flagged_nonfinite_leaves_parameters_moments_and_step_counts_alone():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-2, weight_decay=0.1))
+    twin = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    twin.load_state_dict(model.state_dict())
+    plain = torch.optim.AdamW([{"params": [twin[0].weight], "weight_decay": 0.1},
+                               {"params": [twin[0].bias, *twin[1].parameters()], "weight_decay": 0.0}],
+                              lr=1e-2, betas=(0.9, 0.95), fused=True)
+
+    def backward(m):
+        m(torch.randn(4, 8, generator=torch.Generator().manual_seed(1))).square().sum().backward()
+
+    for flag in (0.0, 1.0, 0.0):  # a finite step, a skipped one, a finite one
+        backward(model)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        state_before = {id(p): {k: v.clone() for k, v in optimizer.state[p].items()}
+                        for p in model.parameters()}
+        update_unless(optimizer, torch.tensor(flag))
+        assert not hasattr(optimizer, "found_inf")
+        if flag:
+            assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+            for p in model.parameters():
+                assert all(torch.equal(state_before[id(p)][k], v) for k, v in optimizer.state[p].items())
+        else:  # a finite step equals the optimizer's own step bit for bit
+            backward(twin)
+            plain.step()
+            plain.zero_grad()
+            assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
+        optimizer.zero_grad()
+    assert all(optimizer.state[p]["step"].item() == 2 for p in model.parameters())
 
 
 def test_metrics_file_reader_and_windows(tmp_path):

@@ -10,8 +10,9 @@ from torch import nn
 from codatrain.config import OptimConfig
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
-    """Weight decay on matrices only (not on norm weights); fused kernels on CUDA."""
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    """Weight decay on matrices only (not on norm weights); torch's fused kernels (CUDA and CPU),
+    which take the device-side skip flag of `update_unless`."""
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
@@ -21,8 +22,21 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
         {"params": no_decay, "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(
-        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=device.type == "cuda"
+        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True
     )
+
+
+def update_unless(optimizer: torch.optim.Optimizer, nonfinite: torch.Tensor) -> None:
+    """Launch the optimizer's update, which its fused kernels skip on the device (parameters,
+    moments and step counts left as they were) when `nonfinite`, a 0-d float32 tensor, is
+    nonzero. So the update can be queued before the host knows whether the step is finite, and
+    the host's launches overlap the step's last kernels instead of following a synchronization.
+    The flag is the one torch.amp.GradScaler hands fused optimizers (their `found_inf`)."""
+    optimizer.found_inf = nonfinite
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
 
 
 def lr_factor(step: int, total_steps: int, cfg: OptimConfig) -> float:

@@ -40,7 +40,7 @@ from codatrain.train.metrics import (
     resident_memory_gib,
     throughput,
 )
-from codatrain.train.optim import build_optimizer, build_scheduler
+from codatrain.train.optim import build_optimizer, build_scheduler, update_unless
 from codatrain.train.parallelize import (
     apply_activation_checkpointing,
     apply_compile,
@@ -121,7 +121,7 @@ class Trainer:
         init_weights(model, tcfg.seed)
         self.model = model
 
-        self.optimizer = build_optimizer(model, run.optim, device)
+        self.optimizer = build_optimizer(model, run.optim)
         self.scheduler = build_scheduler(self.optimizer, run.optim, tcfg.steps)
         self.train_data, self.val_data = build_loaders(
             plan.data, tcfg.micro_batch_size, self.dp_rank, self.dp_size, tcfg.seed,
@@ -147,13 +147,17 @@ class Trainer:
 
     # ---- one optimizer step -------------------------------------------------------------------
     def train_step(self, batches) -> tuple[float, float, float]:
-        """Forward/backward over `grad_accum` micro-batches: the gradients of one optimizer step.
+        """Forward/backward over `grad_accum` micro-batches: the gradients of one optimizer step,
+        clipped, and the optimizer's update launched behind them.
 
         The step's loss is the sum of the token losses of all its micro-batches on all ranks divided
         by the number of their targets, counted before the first forward. So neither gradient
         accumulation nor the number of processes changes the gradient when micro-batches hold
         different numbers of targets (fine-tuning data), and a micro-batch without targets adds
-        zero. Returns (that per-token mean loss, grad norm, seconds spent waiting for data).
+        zero. The update is queued before the host reads the loss (the step's one synchronization)
+        and is skipped on the device when the loss, the gradient norm or an FP8 amax is not finite;
+        `complete_step` or the skip path then does the host's part. Returns (that per-token mean
+        loss, grad norm, seconds spent waiting for data).
         """
         t0 = time.perf_counter()
         micro_batches = [next(batches) for _ in range(self.grad_accum)]
@@ -176,8 +180,13 @@ class Trainer:
             self.model.parameters(), clip if clip > 0 else float("inf")
         )
         grad_norm = grad_norm.full_tensor()  # a DTensor: the parameters are FSDP2's
-        loss_mean = (all_reduce_sum(loss_sum) / step_targets).item()
-        return loss_mean, grad_norm.item(), data_time
+        loss_mean = all_reduce_sum(loss_sum) / step_targets
+        nonfinite = ~(torch.isfinite(loss_mean) & torch.isfinite(grad_norm))
+        if self.fp8_scaling is not None:
+            all_reduce_max_(self.fp8_scaling.step_amax)  # every rank records the same history
+            nonfinite |= ~torch.isfinite(self.fp8_scaling.step_amax).all()
+        update_unless(self.optimizer, nonfinite.float())
+        return loss_mean.item(), grad_norm.item(), data_time
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -226,7 +235,7 @@ class Trainer:
             loss, grad_norm, data_time = self.train_step(batches)
             if not self.finite_or_skipped(loss, grad_norm) or not self.fp8_amax_finite():
                 continue
-            lr = self.optimizer_step()
+            lr = self.complete_step()
             for timing in (self.window, self.run_time):
                 timing.add(time.perf_counter() - step_started, data_time)
             profiler.step()
@@ -278,8 +287,9 @@ class Trainer:
         self.reported_retries = retries
 
     def finite_or_skipped(self, loss: float, grad_norm: float) -> bool:
-        """True for a finite step. A non-finite one drops its gradients and is skipped while
-        `train.skip_nonfinite_steps` allows, else it stops the run (NonFiniteError)."""
+        """True for a finite step. A non-finite one (its update was skipped on the device) drops
+        its gradients and is skipped while `train.skip_nonfinite_steps` allows, else it stops the
+        run (NonFiniteError)."""
         if math.isfinite(loss) and math.isfinite(grad_norm):
             return True
         self.optimizer.zero_grad(set_to_none=True)
@@ -298,12 +308,11 @@ class Trainer:
 
     def fp8_amax_finite(self) -> bool:
         """True unless an FP8 amax of this step (over all ranks) is inf or NaN. Then the step's update
-        is skipped, its gradients and amaxes dropped (the history keeps its values), and the run
-        log says so in one line; a scale from such an amax would be meaningless."""
+        was skipped on the device, its gradients and amaxes are dropped (the history keeps its
+        values), and the run log says so in one line; a scale from such an amax would be meaningless."""
         if self.fp8_scaling is None:
             return True
-        all_reduce_max_(self.fp8_scaling.step_amax)  # every rank records the same history
-        bad = self.fp8_scaling.nonfinite()
+        bad = self.fp8_scaling.nonfinite()  # the amaxes train_step reduced over the ranks
         if not bad:
             return True
         self.optimizer.zero_grad(set_to_none=True)
@@ -312,11 +321,10 @@ class Trainer:
                          "the amax history kept")
         return False
 
-    def optimizer_step(self) -> float:
-        """Apply the accumulated gradients and advance the schedule (and the FP8 amax history);
-        returns the step's lr."""
+    def complete_step(self) -> float:
+        """The host's part of a finite step, whose update train_step launched: advance the schedule
+        (and the FP8 amax history), drop the gradients; returns the lr the update used."""
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
         self.scheduler.step()
         if self.fp8_scaling is not None:
             self.fp8_scaling.commit_step()
