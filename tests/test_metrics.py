@@ -45,7 +45,7 @@ def test_schedules():
     assert lr_factor(99, 100, wsd) == pytest.approx(0.05)
 
 
-def test_an_update_flagged_nonfinite_leaves_parameters_moments_and_step_counts_alone():
+def test_an_update_flagged_nonfinite_changes_nothing_and_a_divisor_scales_the_gradients():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
     optimizer = build_optimizer(model, OptimConfig(lr=1e-2, weight_decay=0.1))
@@ -55,27 +55,30 @@ def test_an_update_flagged_nonfinite_leaves_parameters_moments_and_step_counts_a
                                {"params": [twin[0].bias, *twin[1].parameters()], "weight_decay": 0.0}],
                               lr=1e-2, betas=(0.9, 0.95), fused=True)
 
-    def backward(m):
-        m(torch.randn(4, 8, generator=torch.Generator().manual_seed(1))).square().sum().backward()
+    def backward(m, seed):
+        m(torch.randn(4, 8, generator=torch.Generator().manual_seed(seed))).square().sum().backward()
 
-    for flag in (0.0, 1.0, 0.0):  # a finite step, a skipped one, a finite one
-        backward(model)
+    # A step, a skipped one, two steps with their gradients divided (by powers of two: exact).
+    for seed, (flag, divisor) in enumerate([(0.0, None), (1.0, 2.0), (0.0, 4.0), (0.0, 0.5)]):
+        backward(model, seed)
         before = {k: v.clone() for k, v in model.state_dict().items()}
         state_before = {id(p): {k: v.clone() for k, v in optimizer.state[p].items()}
                         for p in model.parameters()}
-        update_unless(optimizer, torch.tensor(flag))
-        assert not hasattr(optimizer, "found_inf")
+        update_unless(optimizer, torch.tensor(flag), None if divisor is None else torch.tensor(divisor))
+        assert not hasattr(optimizer, "found_inf") and not hasattr(optimizer, "grad_scale")
         if flag:
             assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
             for p in model.parameters():
                 assert all(torch.equal(state_before[id(p)][k], v) for k, v in optimizer.state[p].items())
-        else:  # a finite step equals the optimizer's own step bit for bit
-            backward(twin)
+        else:  # torch's own step on the divided gradients, bit for bit
+            backward(twin, seed)
+            for p in twin.parameters():
+                p.grad /= divisor or 1.0
             plain.step()
             plain.zero_grad()
             assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters(), strict=True))
         optimizer.zero_grad()
-    assert all(optimizer.state[p]["step"].item() == 2 for p in model.parameters())
+    assert all(optimizer.state[p]["step"].item() == 3 for p in model.parameters())
 
 
 def test_metrics_file_reader_and_windows(tmp_path):

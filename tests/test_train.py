@@ -93,6 +93,20 @@ def test_one_plain_process_computes_through_fsdp2s_policy_in_the_plans_dtype(tmp
     assert 4.0 < loss < 7.0 and grad_norm > 0  # about ln(vocab) = 5.5 at the first step
 
 
+@pytest.mark.parametrize("clip", [0.05, 1e6])
+def test_the_update_clips_the_gradients_to_the_norm_clip_grad_norm_would(tmp_path, clip):
+    cfg = load_config([*FAST, f"train.run_dir={tmp_path}", "model.n_layers=1", "data.seq_len=32",
+                       "train.micro_batch_size=2", "train.tokens_per_step=null", f"optim.grad_clip={clip}"])
+    trainer = Trainer(validate(cfg), init_distributed("cpu"))
+    _, grad_norm, _ = trainer.train_step(iter(trainer.train_data))
+    # The fused update divides the gradients as it reads them and leaves them divided (on the CPU).
+    clipped = torch.nn.utils.get_total_norm([p.grad for p in trainer.model.parameters()]).full_tensor()
+    trainer.close()
+    assert grad_norm > 0.05 * 10
+    expected = clip if clip < grad_norm else grad_norm  # a clip above the norm leaves it alone
+    assert clipped.item() == pytest.approx(expected, rel=1e-5)
+
+
 # Same global batch on 1 process with 2 micro-batches and on 2 FSDP2 ranks: the default tiny run
 # (4096 tokens a step), and block=coda on a smaller one.
 FSDP_EAGER = [*FAST, "train.steps=12", "train.tokens_per_step=4096", "train.micro_batch_size=16"]

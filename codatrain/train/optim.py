@@ -26,17 +26,21 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     )
 
 
-def update_unless(optimizer: torch.optim.Optimizer, nonfinite: torch.Tensor) -> None:
+def update_unless(optimizer: torch.optim.Optimizer, nonfinite: torch.Tensor,
+                  grad_divisor: torch.Tensor | None = None) -> None:
     """Launch the optimizer's update, which its fused kernels skip on the device (parameters,
     moments and step counts left as they were) when `nonfinite`, a 0-d float32 tensor, is
     nonzero. So the update can be queued before the host knows whether the step is finite, and
     the host's launches overlap the step's last kernels instead of following a synchronization.
-    The flag is the one torch.amp.GradScaler hands fused optimizers (their `found_inf`)."""
+    The kernels divide each gradient by `grad_divisor` (0-d) as they read it: gradient clipping
+    without a pass of its own over the gradients. Both are the inputs torch.amp.GradScaler hands
+    fused optimizers (`found_inf`, `grad_scale`)."""
     optimizer.found_inf = nonfinite
+    optimizer.grad_scale = grad_divisor
     try:
         optimizer.step()
     finally:
-        del optimizer.found_inf
+        del optimizer.found_inf, optimizer.grad_scale
 
 
 def lr_factor(step: int, total_steps: int, cfg: OptimConfig) -> float:

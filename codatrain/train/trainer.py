@@ -148,7 +148,7 @@ class Trainer:
     # ---- one optimizer step -------------------------------------------------------------------
     def train_step(self, batches) -> tuple[float, float, float]:
         """Forward/backward over `grad_accum` micro-batches: the gradients of one optimizer step,
-        clipped, and the optimizer's update launched behind them.
+        and the optimizer's update, which clips them, launched behind them.
 
         The step's loss is the sum of the token losses of all its micro-batches on all ranks divided
         by the number of their targets, counted before the first forward. So neither gradient
@@ -175,17 +175,17 @@ class Trainer:
             loss = self.model(batch.inputs, batch.targets, doc_ids=batch.doc_ids, reduction="sum")
             (loss * scale).backward()
             loss_sum += loss.detach()
-        clip = self.run.optim.grad_clip
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), clip if clip > 0 else float("inf")
-        )
-        grad_norm = grad_norm.full_tensor()  # a DTensor: the parameters are FSDP2's
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm(grads).full_tensor()  # a DTensor: FSDP2's gradients
         loss_mean = all_reduce_sum(loss_sum) / step_targets
         nonfinite = ~(torch.isfinite(loss_mean) & torch.isfinite(grad_norm))
         if self.fp8_scaling is not None:
             all_reduce_max_(self.fp8_scaling.step_amax)  # every rank records the same history
             nonfinite |= ~torch.isfinite(self.fp8_scaling.step_amax).all()
-        update_unless(self.optimizer, nonfinite.float())
+        # Clipping as torch's clip_grad_norm_ computes it (its 1e-6 included), applied by the update.
+        clip = self.run.optim.grad_clip
+        divisor = (grad_norm + 1e-6).div(clip).clamp(min=1.0) if clip > 0 else None
+        update_unless(self.optimizer, nonfinite.float(), divisor)
         return loss_mean.item(), grad_norm.item(), data_time
 
     @torch.no_grad()
