@@ -154,8 +154,8 @@ class Trainer:
         by the number of their targets, counted before the first forward. So neither gradient
         accumulation nor the number of processes changes the gradient when micro-batches hold
         different numbers of targets (fine-tuning data), and a micro-batch without targets adds
-        zero. The update is queued before the host reads the loss (the step's one synchronization)
-        and is skipped on the device when the loss, the gradient norm or an FP8 amax is not finite;
+        zero. The update is queued before the host reads the loss and norm (which waits for the
+        device) and is skipped on the device when the loss, the gradient norm or an FP8 amax is not finite;
         `complete_step` or the skip path then does the host's part. Returns (that per-token mean
         loss, grad norm, seconds spent waiting for data).
         """
