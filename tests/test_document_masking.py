@@ -162,7 +162,7 @@ def test_trainer_hands_the_batch_doc_ids_to_the_model(tmp_path, block):
     trainer.model.forward = recording_forward
     batches = iter(trainer.train_data)
     expected = next(iter(trainer.train_data)).doc_ids
-    loss, _, _ = trainer.train_step(batches)
+    loss = trainer.train_step(batches).loss
     assert torch.isfinite(torch.tensor(loss))
     assert seen[0] is not None and torch.equal(seen[0], expected)
     trainer.evaluate()

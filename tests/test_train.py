@@ -86,7 +86,7 @@ def test_one_plain_process_computes_through_fsdp2s_policy_in_the_plans_dtype(tmp
 
     for module in blocks:
         module.register_forward_pre_hook(record_dtypes)
-    loss, grad_norm, _ = trainer.train_step(iter(trainer.train_data))
+    loss, grad_norm = trainer.train_step(iter(trainer.train_data))[:2]
     trainer.close()
     assert seen == [{torch.bfloat16}] * len(blocks)
     assert all(p.dtype == p.grad.dtype == torch.float32 for p in trainer.model.parameters())
@@ -98,7 +98,7 @@ def test_the_update_clips_the_gradients_to_the_norm_clip_grad_norm_would(tmp_pat
     cfg = load_config([*FAST, f"train.run_dir={tmp_path}", "model.n_layers=1", "data.seq_len=32",
                        "train.micro_batch_size=2", "train.tokens_per_step=null", f"optim.grad_clip={clip}"])
     trainer = Trainer(validate(cfg), init_distributed("cpu"))
-    _, grad_norm, _ = trainer.train_step(iter(trainer.train_data))
+    grad_norm = trainer.train_step(iter(trainer.train_data)).grad_norm
     # The fused update divides the gradients as it reads them and leaves them divided (on the CPU).
     clipped = torch.nn.utils.get_total_norm([p.grad for p in trainer.model.parameters()]).full_tensor()
     trainer.close()

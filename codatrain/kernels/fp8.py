@@ -274,10 +274,14 @@ class Fp8Scaling:
         self.step_amax = torch.zeros(n_layers, len(Operand), device=device)
         self.steps = 0
         self.scales: torch.Tensor | None = None
+        # (len(Operand),) fp32: the largest value of each operand's format, for `delayed_scales`;
+        # made once, since a host-to-device copy each step would wait for the device.
+        self.limits = torch.tensor([fp8_max(recipe.format_of(op)) for op in Operand], device=device)
 
     def to(self, device: torch.device) -> None:
         """Move the state to `device` (a model built on the meta device holds it on the CPU)."""
         self.history, self.step_amax = self.history.to(device), self.step_amax.to(device)
+        self.limits = self.limits.to(device)
         self.scales = None if self.scales is None else self.scales.to(device)
 
     def step_view(self, record: bool) -> Fp8Step:
@@ -292,17 +296,12 @@ class Fp8Scaling:
         """The step's update was applied: its amaxes enter the history and give the next scales."""
         self.history = roll_history(self.history, self.step_amax)
         self.steps += 1
-        self.scales = delayed_scales(self.history, self._limits(), self.recipe.margin)
+        self.scales = delayed_scales(self.history, self.limits, self.recipe.margin)
         self.step_amax.zero_()
 
     def discard_step(self) -> None:
         """The step's update was skipped: its amaxes are forgotten."""
         self.step_amax.zero_()
-
-    def _limits(self) -> torch.Tensor:
-        """(len(Operand),) fp32: the largest value of each operand's format, for `delayed_scales`."""
-        limits = [fp8_max(self.recipe.format_of(op)) for op in Operand]
-        return torch.tensor(limits, device=self.history.device)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"amax_history": self.history, "steps": torch.tensor(self.steps, dtype=torch.int64)}
@@ -310,6 +309,6 @@ class Fp8Scaling:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.history = state["amax_history"].to(self.history.device, torch.float32)
         self.steps = int(state["steps"])
-        self.scales = None if self.steps == 0 else delayed_scales(self.history, self._limits(),
+        self.scales = None if self.steps == 0 else delayed_scales(self.history, self.limits,
                                                                   self.recipe.margin)
         self.step_amax.zero_()

@@ -6,7 +6,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from omegaconf import DictConfig
@@ -65,6 +65,16 @@ class TrainResult:
     val_losses: dict[int, float] = field(default_factory=dict)
     final_step: int = 0
     stopped_by: str | None = None  # "SIGTERM" or "SIGINT" when a signal stopped the run early
+
+
+class StepOutcome(NamedTuple):
+    """What the host reads of an optimizer step (train_step)."""
+
+    loss: float  # the per-token mean over all ranks
+    grad_norm: float
+    amax_nonfinite: bool  # an FP8 amax of the step was inf or NaN
+    data_time: float  # seconds spent waiting for data
+    stopped_by: str | None  # a stop signal any rank received by the end of the step's launches
 
 
 @dataclass
@@ -144,9 +154,10 @@ class Trainer:
         # and the bad data rows and allocator retries (the count at the last warning) already reported.
         self.skipped_steps, self.window, self.run_time = 0, StepTime(), StepTime()
         self.reported_rows, self.reported_retries = 0, 0
+        self.stop = StopSignals(device)  # its handlers are set while fit() runs
 
     # ---- one optimizer step -------------------------------------------------------------------
-    def train_step(self, batches) -> tuple[float, float, float]:
+    def train_step(self, batches) -> StepOutcome:
         """Forward/backward over `grad_accum` micro-batches: the gradients of one optimizer step,
         and the optimizer's update, which clips them, launched behind them.
 
@@ -154,10 +165,10 @@ class Trainer:
         by the number of their targets, counted before the first forward. So neither gradient
         accumulation nor the number of processes changes the gradient when micro-batches hold
         different numbers of targets (fine-tuning data), and a micro-batch without targets adds
-        zero. The update is queued before the host reads the loss and norm (which waits for the
-        device) and is skipped on the device when the loss, the gradient norm or an FP8 amax is not finite;
-        `complete_step` or the skip path then does the host's part. Returns (that per-token mean
-        loss, grad norm, seconds spent waiting for data).
+        zero. The update is queued before the host reads the loss and norm and is skipped on the
+        device when the loss, the gradient norm or an FP8 amax is not finite; `complete_step` or
+        the skip path then does the host's part. The host waits only for those values, not for the
+        update: its part of the step, and the next step's launches, run while the device updates.
         """
         t0 = time.perf_counter()
         micro_batches = [next(batches) for _ in range(self.grad_accum)]
@@ -177,16 +188,27 @@ class Trainer:
             loss_sum += loss.detach()
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm(grads).full_tensor()  # a DTensor: FSDP2's gradients
-        loss_mean = all_reduce_sum(loss_sum) / step_targets
+        # The stop flags ride on the loss's all-reduce: every rank learns of a signal at this step.
+        sums = all_reduce_sum(torch.cat([loss_sum.view(1), self.stop.on_device()]))
+        loss_mean = sums[0] / step_targets
         nonfinite = ~(torch.isfinite(loss_mean) & torch.isfinite(grad_norm))
+        amax_nonfinite = torch.zeros((), device=nonfinite.device)
         if self.fp8_scaling is not None:
             all_reduce_max_(self.fp8_scaling.step_amax)  # every rank records the same history
-            nonfinite |= ~torch.isfinite(self.fp8_scaling.step_amax).all()
+            amax_nonfinite = (~torch.isfinite(self.fp8_scaling.step_amax)).any().float()
+        report = torch.cat([torch.stack([loss_mean, grad_norm, amax_nonfinite]), sums[1:]])
+        host_report = report.to("cpu", non_blocking=True)  # pinned: lands when the device gets here
+        computed = torch.cuda.Event() if report.is_cuda else None
+        if computed is not None:
+            computed.record()
         # Clipping as torch's clip_grad_norm_ computes it (its 1e-6 included), applied by the update.
         clip = self.run.optim.grad_clip
         divisor = (grad_norm + 1e-6).div(clip).clamp(min=1.0) if clip > 0 else None
-        update_unless(self.optimizer, nonfinite.float(), divisor)
-        return loss_mean.item(), grad_norm.item(), data_time
+        update_unless(self.optimizer, (nonfinite | (amax_nonfinite > 0)).float(), divisor)
+        if computed is not None:
+            computed.synchronize()
+        loss, norm, amax_flag, *stop_sums = host_report.tolist()
+        return StepOutcome(loss, norm, amax_flag > 0, data_time, self.stop.name(stop_sums))
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -213,10 +235,10 @@ class Trainer:
     # ---- the loop ------------------------------------------------------------------------------
     def fit(self) -> TrainResult:
         """Train to `train.steps`, or stop at a step boundary on Ctrl-C or SIGTERM (stopping.py)."""
-        with StopSignals(self.dist.device) as stop:
-            return self._fit(stop)
+        with self.stop:
+            return self._fit()
 
-    def _fit(self, stop: StopSignals) -> TrainResult:
+    def _fit(self) -> TrainResult:
         tcfg, result = self.run.train, TrainResult()
         self.log_header()
         if self.dist.device.type == "cuda":
@@ -227,13 +249,11 @@ class Trainer:
         first_step = self.step + 1
         profiler = StepProfiler(self.run_dir, tcfg.profile_steps, tcfg.profile_skip, self.dist.rank,
                                 self.dist.device)
-        while self.step < tcfg.steps:
-            result.stopped_by = stop.agreed()
-            if result.stopped_by:
-                break
+        result.stopped_by = self.stop.agreed()  # a signal before the first step; then each step's own
+        while self.step < tcfg.steps and not result.stopped_by:
             step_started = time.perf_counter()
-            loss, grad_norm, data_time = self.train_step(batches)
-            if not self.finite_or_skipped(loss, grad_norm) or not self.fp8_amax_finite():
+            loss, grad_norm, amax_nonfinite, data_time, result.stopped_by = self.train_step(batches)
+            if not self.finite_or_skipped(loss, grad_norm) or not self.fp8_amax_finite(amax_nonfinite):
                 continue
             lr = self.complete_step()
             for timing in (self.window, self.run_time):
@@ -306,15 +326,14 @@ class Trainer:
             f"(train.skip_nonfinite_steps={allowed} allows skipping such steps)"
         )
 
-    def fp8_amax_finite(self) -> bool:
-        """True unless an FP8 amax of this step (over all ranks) is inf or NaN. Then the step's update
-        was skipped on the device, its gradients and amaxes are dropped (the history keeps its
-        values), and the run log says so in one line; a scale from such an amax would be meaningless."""
-        if self.fp8_scaling is None:
+    def fp8_amax_finite(self, amax_nonfinite: bool) -> bool:
+        """True unless an FP8 amax of this step (over all ranks) is inf or NaN (`amax_nonfinite`,
+        as train_step found it). Then the step's update was skipped on the device, its gradients and
+        amaxes are dropped (the history keeps its values), and the run log says so in one line; a
+        scale from such an amax would be meaningless."""
+        if self.fp8_scaling is None or not amax_nonfinite:
             return True
         bad = self.fp8_scaling.nonfinite()  # the amaxes train_step reduced over the ranks
-        if not bad:
-            return True
         self.optimizer.zero_grad(set_to_none=True)
         self.fp8_scaling.discard_step()
         self.logger.info(f"step {self.step + 1}: FP8 amax not finite ({', '.join(bad)}); update skipped, "

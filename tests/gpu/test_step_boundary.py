@@ -1,0 +1,46 @@
+"""The host side of a training step on a GPU: the host reads the step's loss and gradient norm
+without waiting for the optimizer's update, so its bookkeeping and the next step's launches run
+while the device updates (trainer.py, `train_step`; design.md §5)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from codatrain.config import load_config, validate  # noqa: E402
+from codatrain.train import trainer as trainer_module  # noqa: E402
+from codatrain.train.distributed import init_distributed  # noqa: E402
+from codatrain.train.trainer import Trainer  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+RUN = ["model=tiny", "block=eager", "train.device=cuda", "data=synthetic", "data.num_workers=0",
+       "data.seq_len=64", "train.micro_batch_size=2", "train.tokens_per_step=null", "train.log_every=1",
+       "train.val_every=0", "train.progress=false", "checkpoint.at_end=false"]
+SLEEP_CYCLES = 2_000_000_000  # about a second of device time at Hopper's clocks
+
+
+def test_the_step_returns_while_the_update_is_still_queued(tmp_path, monkeypatch):
+    trainer = Trainer(validate(load_config([*RUN, f"train.run_dir={tmp_path}"])), init_distributed("cuda"))
+    original = trainer_module.update_unless
+
+    def slow_update(*args, **kwargs):  # the update queued behind a long device-side sleep
+        torch.cuda._sleep(SLEEP_CYCLES)
+        original(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "update_unless", slow_update)
+    shards = [p.to_local() for p in trainer.model.parameters()]  # FSDP2's DTensors, one process
+    before = [shard.detach().clone() for shard in shards]
+    outcome = trainer.train_step(iter(trainer.train_data))
+    update_pending = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    moved = any(not torch.equal(a, b) for a, b in zip(before, shards, strict=True))
+    trainer.close()
+    assert update_pending, "train_step waited for the optimizer's update"
+    assert math.isfinite(outcome.loss) and outcome.grad_norm > 0 and outcome.stopped_by is None
+    assert moved  # the update did run, after train_step returned
