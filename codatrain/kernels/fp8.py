@@ -270,13 +270,14 @@ class Fp8Scaling:
 
     def __init__(self, recipe: Fp8Recipe, n_layers: int, device: torch.device | str = "cpu") -> None:
         self.recipe = recipe
-        self.history = torch.zeros(n_layers, len(Operand), recipe.history_len, device=device)
-        self.step_amax = torch.zeros(n_layers, len(Operand), device=device)
+        fp32 = {"dtype": torch.float32, "device": device}  # whatever the default dtype where it is built
+        self.history = torch.zeros(n_layers, len(Operand), recipe.history_len, **fp32)
+        self.step_amax = torch.zeros(n_layers, len(Operand), **fp32)
         self.steps = 0
         self.scales: torch.Tensor | None = None
         # (len(Operand),) fp32: the largest value of each operand's format, for `delayed_scales`;
         # made once, since a host-to-device copy each step would wait for the device.
-        self.limits = torch.tensor([fp8_max(recipe.format_of(op)) for op in Operand], device=device)
+        self.limits = torch.tensor([fp8_max(recipe.format_of(op)) for op in Operand], **fp32)
 
     def to(self, device: torch.device) -> None:
         """Move the state to `device` (a model built on the meta device holds it on the CPU)."""
