@@ -190,13 +190,12 @@ class Trainer:
         grad_norm = torch.nn.utils.get_total_norm(grads).full_tensor()  # a DTensor: FSDP2's gradients
         # The stop flags ride on the loss's all-reduce: every rank learns of a signal at this step.
         sums = all_reduce_sum(torch.cat([loss_sum.view(1), self.stop.on_device()]))
-        loss_mean = sums[0] / step_targets
-        nonfinite = ~(torch.isfinite(loss_mean) & torch.isfinite(grad_norm))
-        amax_nonfinite = torch.zeros((), device=nonfinite.device)
+        largest_amax = loss_sum.new_zeros(())
         if self.fp8_scaling is not None:
             all_reduce_max_(self.fp8_scaling.step_amax)  # every rank records the same history
-            amax_nonfinite = (~torch.isfinite(self.fp8_scaling.step_amax)).any().float()
-        report = torch.cat([torch.stack([loss_mean, grad_norm, amax_nonfinite]), sums[1:]])
+            largest_amax = self.fp8_scaling.step_amax.amax()  # inf or NaN if any amax is
+        checked = torch.stack([sums[0] / step_targets, grad_norm, largest_amax])
+        report = torch.cat([checked, sums[1:]])
         host_report = report.to("cpu", non_blocking=True)  # pinned: lands when the device gets here
         computed = torch.cuda.Event() if report.is_cuda else None
         if computed is not None:
@@ -204,11 +203,11 @@ class Trainer:
         # Clipping as torch's clip_grad_norm_ computes it (its 1e-6 included), applied by the update.
         clip = self.run.optim.grad_clip
         divisor = (grad_norm + 1e-6).div(clip).clamp(min=1.0) if clip > 0 else None
-        update_unless(self.optimizer, (nonfinite | (amax_nonfinite > 0)).float(), divisor)
+        update_unless(self.optimizer, (~torch.isfinite(checked).all()).float(), divisor)
         if computed is not None:
             computed.synchronize()
-        loss, norm, amax_flag, *stop_sums = host_report.tolist()
-        return StepOutcome(loss, norm, amax_flag > 0, data_time, self.stop.name(stop_sums))
+        loss, norm, amax, *stop_sums = host_report.tolist()
+        return StepOutcome(loss, norm, not math.isfinite(amax), data_time, self.stop.name(stop_sums))
 
     @torch.no_grad()
     def evaluate(self) -> float:
