@@ -29,7 +29,7 @@ def test_documents_from_ids():
     assert docs.doc_index.tolist() == [[0, 0, 0, 1, 1, 2], [0, 0, 0, 0, 0, 0]]
     assert docs.cu_seqlens.tolist() == [0, 3, 5, 6, 12] and docs.cu_seqlens.dtype == torch.int32
     assert docs.positions.tolist() == [0, 1, 2, 0, 1, 0, 0, 1, 2, 3, 4, 5]
-    assert docs.max_seqlen == 6 and docs.block_mask is None  # a block mask is built on CUDA only
+    assert docs.max_seqlen == 6 and docs.block_mask is None  # the model adds it, on CUDA only
     mask = docs.dense_mask()
     assert mask.shape == (2, 1, 6, 6)
     assert mask[0, 0, 4].tolist() == [False, False, False, True, True, False]
@@ -46,7 +46,10 @@ def test_attention_within_documents_equals_each_document_alone(block_mask):
     b, t, h_q, h_kv, d = *DOC_IDS.shape, 4, 2, 8
     q = torch.randn(b, t, h_q, d, generator=g, dtype=torch.float64)
     k, v = (torch.randn(b, t, h_kv, d, generator=g, dtype=torch.float64) for _ in range(2))
-    documents = documents_from_ids(DOC_IDS, block_mask=block_mask)
+    documents = documents_from_ids(DOC_IDS)
+    if block_mask:
+        documents = documents.with_block_mask()
+    assert (documents.block_mask is None) != block_mask
     out = sdpa_attention(q, k, v, documents)
     for row, cols in documents_of(DOC_IDS):
         alone = sdpa_attention(q[row:row + 1, cols], k[row:row + 1, cols], v[row:row + 1, cols])
@@ -86,6 +89,25 @@ def test_packed_window_equals_its_documents_run_one_by_one(name, impl):
     expected_grads, grads = canonical_grads(alone), canonical_grads(packed)
     for n, g in expected_grads.items():
         assert_close_to(grads[n], g, 1e-10, n)
+
+
+@pytest.mark.parametrize("impl", ["eager", "coda"])
+def test_the_loaders_documents_give_what_doc_ids_give(impl):
+    """Documents made on the host (as the loader makes them) and passed as `documents` give the loss
+    and gradients that `doc_ids` give; both at once are refused."""
+    cfg = CONFIGS["gqa2-L3"]
+    tokens, targets = packed_batch(cfg)
+    by_ids, by_documents = (model_pair(cfg, torch.float64)[impl == "coda"] for _ in range(2))
+    expected = by_ids(tokens, targets, doc_ids=DOC_IDS)
+    expected.backward()
+    documents = documents_from_ids(DOC_IDS)
+    loss = by_documents(tokens, targets, documents=documents)
+    loss.backward()
+    assert torch.equal(loss, expected)
+    for (n, p), q in zip(by_documents.named_parameters(), by_ids.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), n
+    with pytest.raises(ValueError, match="^doc_ids and documents give the same thing: pass one of them$"):
+        by_documents(tokens, targets, doc_ids=DOC_IDS, documents=documents)
 
 
 @pytest.mark.parametrize("name", ["gqa2-L3", "gqa4-L2"])

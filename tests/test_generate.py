@@ -10,6 +10,7 @@ from test_sft import chat_tokenizer
 
 from codatrain.config import load_config
 from codatrain.data.tokenizer import ByteTokenizer, load_tokenizer
+from codatrain.kernels.attention import documents_from_ids
 from codatrain.model import Llama, LlamaConfig
 from codatrain.model.generate import generate, next_token
 from codatrain.model.hf import save_hf
@@ -127,14 +128,16 @@ def test_forward_and_decoding_make_every_tensor_on_the_device_of_the_tokens():
     assert model(tokens[:, :1], cache=cache).shape == (2, 1, CFG.vocab_size)
 
 
-def test_a_cache_cannot_be_combined_with_doc_ids():
+def test_a_cache_cannot_be_combined_with_documents():
     with torch.device("meta"):
         model = Llama(CFG)
     tokens = torch.zeros(1, 4, dtype=torch.long, device="meta")
     cache = KVCache(CFG, 1, 8, "meta", torch.float32)
-    message = "^a KV cache decodes one document per row; doc_ids cannot be combined with it$"
+    message = "^a KV cache decodes one document per row; documents cannot be combined with it$"
     with pytest.raises(ValueError, match=message):
         model(tokens, doc_ids=torch.zeros_like(tokens), cache=cache)
+    with pytest.raises(ValueError, match=message):
+        model(tokens, cache=cache, documents=documents_from_ids(torch.zeros(1, 4, dtype=torch.long)))
 
 
 def test_sampling_is_reproducible_from_the_seed_and_top_p_zero_is_greedy():

@@ -9,16 +9,18 @@ here, `fa4` (FlashAttention 4, sm_90) by `codatrain.kernels.cute` on import with
 Document masking. A packed window holds several documents; with `data.keep_document_boundaries`
 a token attends only to the earlier tokens of its own document and its RoPE position counts from
 its document's start. `documents_from_ids` turns a batch's document ids into `Documents`, once
-per micro-batch, in every form an implementation takes: FlashAttention's varlen offsets, per-token
-positions, and on CUDA flex_attention's block mask. Without documents every implementation runs
-its plain causal kernel, unchanged.
+per micro-batch, in the forms an implementation takes: FlashAttention's varlen offsets and per-token
+positions. The data loader makes them on the host, so no forward waits for the device to learn
+where documents start; only flex_attention's block mask (PyTorch's attention on CUDA) is built on
+the device, by the model (`forward_documents`). Without documents every implementation runs its
+plain causal kernel, unchanged.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -31,7 +33,8 @@ from codatrain.kernels.stages import BackendUnavailableError, is_sm90, load_regi
 @dataclass(frozen=True, eq=False)
 class Documents:
     """The documents of a micro-batch of B rows of T tokens (`documents_from_ids`). A document
-    never spans two rows."""
+    never spans two rows. The data loader makes them on the host and its batch moves them to the
+    device (`pin_memory`, `to`); flex_attention's block mask is added there (`with_block_mask`)."""
 
     doc_index: torch.Tensor  # (B, T) int64: which document of its row each token is in (0, 1, …)
     cu_seqlens: torch.Tensor  # (n + 1,) int32: start of each of the n documents in the B·T
@@ -39,18 +42,47 @@ class Documents:
     max_seqlen: int  # a bound on the document length: T. Not the longest document: that would
     # cost a device sync, and FA4 picks its kernel variant from it (precompile could not know it)
     positions: torch.Tensor  # (B·T,) int64: each token's position within its document (RoPE)
-    block_mask: BlockMask | None  # flex_attention's mask, on CUDA only (see `document_attention`)
+    block_mask: BlockMask | None = None  # flex_attention's mask (`with_block_mask`, `document_attention`)
 
     def dense_mask(self) -> torch.Tensor:
         """(B, 1, T, T) bool: query i may attend to key j (same document, j ≤ i)."""
         same_document = self.doc_index[:, :, None] == self.doc_index[:, None, :]
         return (same_document & torch.ones_like(same_document[0], dtype=torch.bool).tril())[:, None]
 
+    def pin_memory(self) -> Documents:
+        """In page-locked host memory, so that `to` copies asynchronously (the DataLoader's
+        pin_memory thread calls this)."""
+        return self._map(torch.Tensor.pin_memory)
 
-def documents_from_ids(doc_ids: torch.Tensor, block_mask: bool | None = None) -> Documents:
-    """The `Documents` of doc_ids (B, T), where a document is a run of equal ids within a row
-    (the data loader's `Batch.doc_ids`). block_mask: build flex_attention's block mask, which
-    `document_attention` then uses (default: on CUDA; FA4 needs none)."""
+    def to(self, device: torch.device | str) -> Documents:
+        """On `device`, copied without blocking the host (asynchronous from pinned memory)."""
+        return self._map(lambda t: t.to(device, non_blocking=True))
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Documents:
+        if self.block_mask is not None:  # it is built where attention runs, after the move
+            raise ValueError("documents with a block mask stay on their device")
+        return replace(self, doc_index=fn(self.doc_index), cu_seqlens=fn(self.cu_seqlens),
+                       positions=fn(self.positions))
+
+    def with_block_mask(self) -> Documents:
+        """These documents with flex_attention's block mask, built on their device; on CUDA
+        compiled: eagerly it would materialise B·T·T index tensors."""
+        doc_index = self.doc_index
+        rows, seq_len = doc_index.shape
+
+        def same_document_causal(b, h, q, k):
+            del h
+            return (doc_index[b, q] == doc_index[b, k]) & (q >= k)
+
+        build = _compiled(create_block_mask) if doc_index.is_cuda else create_block_mask
+        return replace(self, block_mask=build(same_document_causal, rows, None, seq_len, seq_len,
+                                              device=doc_index.device))
+
+
+def documents_from_ids(doc_ids: torch.Tensor) -> Documents:
+    """The `Documents` of doc_ids (B, T), where a document is a run of equal ids within a row, on
+    doc_ids' device, without a block mask. The data loader calls it on the host (`collate`); on a
+    GPU it waits for the device (`nonzero`), so the trainer hands the models the loader's instead."""
     rows, seq_len = doc_ids.shape
     starts = torch.ones_like(doc_ids, dtype=torch.bool)
     starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
@@ -59,19 +91,24 @@ def documents_from_ids(doc_ids: torch.Tensor, block_mask: bool | None = None) ->
     document_of_token = starts.flatten().cumsum(0) - 1
     positions = torch.arange(rows * seq_len, device=doc_ids.device) - offsets[document_of_token]
     cu_seqlens = torch.cat([offsets, offsets.new_tensor([rows * seq_len])]).to(torch.int32)
-    if block_mask is None:
-        block_mask = doc_ids.is_cuda
+    return Documents(doc_index, cu_seqlens, seq_len, positions)
 
-    def same_document_causal(b, h, q, k):
-        del h
-        return (doc_index[b, q] == doc_index[b, k]) & (q >= k)
 
-    mask = None
-    if block_mask:
-        # Compiled on CUDA: eagerly, building the mask would materialise B·T·T index tensors.
-        build = _compiled(create_block_mask) if doc_ids.is_cuda else create_block_mask
-        mask = build(same_document_causal, rows, None, seq_len, seq_len, device=doc_ids.device)
-    return Documents(doc_index, cu_seqlens, seq_len, positions, mask)
+def forward_documents(
+    doc_ids: torch.Tensor | None, documents: Documents | None, block_mask: bool
+) -> Documents | None:
+    """The documents a model's forward attends within: `documents` as the data loader made them
+    (already on the device), or those of `doc_ids` (B, T) made here, which on a GPU waits for the
+    device (fine for tests and one-off calls, not for training). block_mask: the attention reads
+    flex_attention's block mask (PyTorch's, not FA4), which is then built on CUDA; elsewhere
+    PyTorch's attention takes a dense mask."""
+    if doc_ids is not None and documents is not None:
+        raise ValueError("doc_ids and documents give the same thing: pass one of them")
+    if doc_ids is not None:
+        documents = documents_from_ids(doc_ids)
+    if documents is None or not (block_mask and documents.doc_index.is_cuda):
+        return documents
+    return documents.with_block_mask()
 
 
 @functools.cache

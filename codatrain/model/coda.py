@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from codatrain.kernels.attention import AttentionFn, Documents, causal_attention, documents_from_ids
+from codatrain.kernels.attention import AttentionFn, Documents, causal_attention, forward_documents
 from codatrain.kernels.fp8 import Fp8Recipe, Fp8Scaling, Fp8Step, Fp8Tensor, Fp8Weight, Operand, QuantizeTo
 from codatrain.kernels.resolve import ResolvedBlock, portable_block
 from codatrain.kernels.stages import IGNORE_INDEX, Rope, StageBackend
@@ -641,8 +641,9 @@ def _qkv_extras(cfg: LlamaConfig, module: str, suffix: str, layer: str) -> Layou
 class CodaLlama(nn.Module):
     """Llama decoder computed as CODA stages. `forward(tokens)` gives logits; `forward(tokens,
     targets)` the mean cross-entropy over targets that are not IGNORE_INDEX (`reduction="sum"`:
-    their sum, as `codatrain.model.llama.lm_loss`). With `doc_ids` (B, T) attention stays within
-    each document and RoPE positions restart at every document start (as in `Llama`).
+    their sum, as `codatrain.model.llama.lm_loss`). With `documents` (the data loader's
+    `Batch.documents`) or `doc_ids` (B, T) attention stays within each document and RoPE positions
+    restart at every document start (as in `Llama`, whose forward says what `doc_ids` cost).
 
     block: the stage backend and attention function, as `resolve_block` loaded them for the device
     (default: the reference stages and PyTorch's attention, which run anywhere).
@@ -696,18 +697,15 @@ class CodaLlama(nn.Module):
 
     def forward(
         self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
-        doc_ids: torch.Tensor | None = None, reduction: str = "mean",
+        doc_ids: torch.Tensor | None = None, reduction: str = "mean", *, documents: Documents | None = None,
     ) -> torch.Tensor:
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction={reduction!r} is not mean or sum")
         batch, seq = tokens.shape
         if seq > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds model.max_seq_len={self.cfg.max_seq_len}")
-        documents = None
-        if doc_ids is not None:
-            # Only PyTorch's attention reads flex_attention's block mask; FA4 takes cu_seqlens.
-            block_mask = False if self.block.fa4 else None
-            documents = documents_from_ids(doc_ids, block_mask=block_mask)
+        # Only PyTorch's attention reads flex_attention's block mask; FA4 takes cu_seqlens.
+        documents = forward_documents(doc_ids, documents, block_mask=not self.block.fa4)
         fp8 = None
         if self.fp8_scaling is not None:
             if self.fp8_scaling.history.device != tokens.device:

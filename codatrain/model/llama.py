@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from codatrain.kernels.attention import Documents, document_attention, documents_from_ids
+from codatrain.kernels.attention import Documents, document_attention, forward_documents
 from codatrain.kernels.stages import IGNORE_INDEX, Rope, rope_inv_freq
 from codatrain.model.config import LlamaConfig
 from codatrain.model.init import init_canonical_weights
@@ -167,9 +167,11 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean"
 class Llama(nn.Module):
     """Llama decoder. `forward(tokens)` gives logits; `forward(tokens, targets)` the mean loss over
     the targets that are not IGNORE_INDEX (`reduction="sum"`: their sum, see `lm_loss`). With
-    `doc_ids` (B, T) (the data loader's `Batch.doc_ids`) attention stays within each document and
-    RoPE positions restart at every document start. With a `KVCache` (decoding) `tokens` continue
-    the positions the cache holds, and their keys and values are appended to it."""
+    `documents` (the data loader's `Batch.documents`, on the tokens' device) or `doc_ids` (B, T)
+    attention stays within each document and RoPE positions restart at every document start;
+    `doc_ids` are turned into documents here, which on a GPU waits for the device. With a `KVCache`
+    (decoding) `tokens` continue the positions the cache holds, and their keys and values are
+    appended to it."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -198,15 +200,16 @@ class Llama(nn.Module):
     def forward(
         self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
         doc_ids: torch.Tensor | None = None, reduction: str = "mean", cache: KVCache | None = None,
+        *, documents: Documents | None = None,
     ) -> torch.Tensor:
         batch, seq = tokens.shape
         past = 0 if cache is None else cache.length
         if past + seq > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {past + seq} exceeds model.max_seq_len={self.cfg.max_seq_len}")
-        if cache is not None and doc_ids is not None:
-            raise ValueError("a KV cache decodes one document per row; doc_ids cannot be combined with it")
+        if cache is not None and (doc_ids is not None or documents is not None):
+            raise ValueError("a KV cache decodes one document per row; documents cannot be combined with it")
         x = self.embed_tokens(tokens)
-        documents = None if doc_ids is None else documents_from_ids(doc_ids)
+        documents = forward_documents(doc_ids, documents, block_mask=True)
         if documents is None:
             positions = torch.arange(past, past + seq, device=tokens.device)  # (T,), shared by every row
         else:
