@@ -10,12 +10,14 @@ from itertools import islice
 import numpy as np
 import pytest
 import torch
+from torch.utils.data._utils.pin_memory import pin_memory
 from unigram import unigram_entropy
 
 from codatrain.config import DataConfig
 from codatrain.data import build_loaders, prepare_streams
-from codatrain.data.packing import PackedWindows, collate
+from codatrain.data.packing import Batch, PackedWindows, collate
 from codatrain.data.sources import EMBEDDED_PATH, EMBEDDED_SHA256, held_out_by_content
+from codatrain.kernels.attention import Documents, documents_from_ids
 
 BOS, EOS = 256, 257
 DOCS = ["hello world", "", "ab", "the quick brown fox jumps over the lazy dog", "é ü", "x" * 30]
@@ -62,21 +64,46 @@ def test_windows_are_exact_and_targets_shift_by_one(tmp_path):
         assert batch.inputs.dtype == batch.targets.dtype == torch.int64
         assert batch.inputs[0].tolist() == stream[5 * i:5 * i + 5].tolist()
         assert batch.targets[0].tolist() == stream[5 * i + 1:5 * i + 6].tolist()
-        assert batch.doc_ids is None
+        assert batch.documents is None
     # Every token after the first is a target exactly once; only the tail that fills no window is unused.
     targets = torch.cat([b.targets[0] for b in batches]).tolist()
     assert targets == stream[1:1 + 5 * n].tolist()
     assert len(stream) - 1 - 5 * n < 5
 
 
+def assert_same_documents(documents, expected):
+    for name in ("doc_index", "cu_seqlens", "positions"):
+        got, want = getattr(documents, name), getattr(expected, name)
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+    assert documents.max_seqlen == expected.max_seqlen and documents.block_mask is None
+
+
 def test_document_ids_follow_boundaries(tmp_path):
+    """The loader's batches carry the documents of their windows' ids, made on the host."""
     _, (train, _) = loaders(tmp_path, seq_len=7, keep_document_boundaries=True)
     stream = expected_stream(DOCS)
     doc_of_token = np.cumsum(stream == BOS) - 1
     for i, batch in enumerate(islice(train, len(train))):
         expected = doc_of_token[7 * i:7 * i + 7]
-        assert batch.doc_ids.dtype == torch.int32
-        assert batch.doc_ids[0].tolist() == (expected - expected[0]).tolist()
+        assert batch.documents.doc_index[0].tolist() == (expected - expected[0]).tolist()
+        assert_same_documents(batch.documents, documents_from_ids(torch.from_numpy(expected)[None]))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batches_carry_the_documents_of_their_windows(tmp_path, workers):
+    """Whatever the number of workers (with some, batches cross processes pickled): each batch's
+    documents are `documents_from_ids` of its windows' ids."""
+    cfg = DataConfig(source="files", path=str(write_jsonl(tmp_path / "docs.jsonl", DOCS)), seq_len=6,
+                     val_fraction=0.0, shuffle=False, num_workers=workers, cache_dir=str(tmp_path / "cache"),
+                     keep_document_boundaries=True)
+    train, _ = build_loaders(cfg, 3, 0, 1, 0, "cpu", max_seq_len=64, model_vocab_size=512)
+    windows = train.dataset
+    assert len(train) >= 4
+    for b, batch in enumerate(islice(train, 4)):
+        indices = range(3 * b, 3 * b + 3)
+        ids = torch.from_numpy(np.stack([windows[i].doc_ids for i in indices]))
+        assert batch.inputs.tolist() == [windows[i].tokens[:-1].tolist() for i in indices]
+        assert_same_documents(batch.documents, documents_from_ids(ids))
 
 
 def test_windows_pickle_without_their_memory_maps(tmp_path):
@@ -94,8 +121,34 @@ def test_batch_moves_every_tensor_to_the_device():
     window = np.arange(6)
     batch = collate([(window, np.zeros(5, dtype=np.int32)), (window + 1, np.ones(5, dtype=np.int32))])
     assert batch.inputs.tolist() == [[0, 1, 2, 3, 4], [1, 2, 3, 4, 5]]
-    assert all(t.device.type == "meta" for t in batch.to(torch.device("meta")))
-    assert collate([(window, None)]).to(torch.device("meta")).doc_ids is None
+    moved = batch.to(torch.device("meta"))
+    documents = moved.documents
+    tensors = (moved.inputs, moved.targets, documents.doc_index, documents.cu_seqlens, documents.positions)
+    assert {t.device.type for t in tensors} == {"meta"} and documents.max_seqlen == 5
+    assert collate([(window, None)]).to(torch.device("meta")).documents is None
+
+
+def test_the_dataloaders_pinning_reaches_every_tensor_of_a_batch(monkeypatch):
+    """The DataLoader pins a batch with its own `pin_memory` function (on CUDA): field by field, and
+    its documents by their `pin_memory`. (Pinning needs an accelerator: here a copy stands in.)"""
+    window = np.arange(6)
+    ids = np.array([0, 0, 1, 1, 1], dtype=np.int32)
+    batch = collate([(window, ids), (window + 1, np.zeros(5, np.int32))])
+    pinned = []
+
+    def pin(t):
+        pinned.append(t)
+        return t.clone()
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin)
+    out = pin_memory(batch)
+    documents = batch.documents
+    assert {id(t) for t in pinned} == {id(t) for t in (batch.inputs, batch.targets, documents.doc_index,
+                                                        documents.cu_seqlens, documents.positions)}
+    assert type(out) is Batch and type(out.documents) is Documents
+    assert_same_documents(out.documents, documents)
+    with pytest.raises(ValueError, match="^documents with a block mask stay on their device$"):
+        documents.with_block_mask().to(torch.device("meta"))
 
 
 def test_unigram_entropy_is_that_of_the_token_counts(tmp_path):
@@ -124,7 +177,7 @@ def test_synthetic_source_follows_its_rule():
     batch = next(iter(train))
     tokens = torch.cat([batch.inputs, batch.targets[:, -1:]], dim=1)
     assert (tokens[:, 1::2] == (tokens[:, 0:-1:2] * 3 + 1) % 256).all()
-    assert (batch.doc_ids == 0).all()
+    assert (batch.documents.doc_index == 0).all()
     again, _ = build_loaders(cfg, 4, 0, 1, 3, "cpu", max_seq_len=64, model_vocab_size=256)
     assert torch.equal(next(iter(again)).inputs, batch.inputs)
     assert not torch.equal(next(iter(val)).inputs, batch.inputs)

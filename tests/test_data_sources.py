@@ -167,7 +167,8 @@ def test_resume_of_real_data_with_workers_and_boundaries(tmp_path):
         state = loader.state_dict()
     assert len(got) == len(expected)
     for a, b in zip(got, expected, strict=True):
-        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+        assert torch.equal(a.inputs, b.inputs) and torch.equal(a.targets, b.targets)
+        assert torch.equal(a.documents.doc_index, b.documents.doc_index)
 
 
 # ---- bad input -------------------------------------------------------------------------------------

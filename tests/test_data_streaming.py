@@ -63,7 +63,8 @@ def take(loader, n):
 
 def same(a, b):
     return all(torch.equal(x.inputs, y.inputs) and torch.equal(x.targets, y.targets)
-               and torch.equal(x.doc_ids, y.doc_ids) for x, y in zip(a, b, strict=True))
+               and torch.equal(x.documents.doc_index, y.documents.doc_index)
+               for x, y in zip(a, b, strict=True))
 
 
 @pytest.mark.parametrize("workers,shuffle_buffer", [(0, 256), (2, 256), (0, 3), (0, 0)])
@@ -129,7 +130,9 @@ def test_stream_packs_the_windows_the_stored_path_packs(tmp_path):
                         cache_dir=str(tmp_path / "cache"))
     stream = take(build(stream_config(tmp_path / "c", shuffle=False))[0], 10)
     assert same(stream, take(build(stored)[0], 10))
-    assert {b.doc_ids.dtype for b in stream} == {torch.int32}  # torch.equal does not compare dtypes
+    # torch.equal does not compare dtypes
+    assert {(b.documents.doc_index.dtype, b.documents.cu_seqlens.dtype) for b in stream} == \
+        {(torch.int64, torch.int32)}
 
 
 def test_short_documents_keep_their_boundaries_where_a_refill_takes_several(tmp_path):
@@ -144,7 +147,7 @@ def test_short_documents_keep_their_boundaries_where_a_refill_takes_several(tmp_
                         keep_document_boundaries=True, num_workers=0, cache_dir=str(tmp_path / "cache"),
                         **cfg)
     stream = take(build(stream_config(folder, **cfg))[0], 8)
-    assert max(int(b.doc_ids.max()) for b in stream) >= 3  # several documents in a window
+    assert max(int(b.documents.doc_index.max()) for b in stream) >= 3  # several documents in a window
     assert same(stream, take(build(stored)[0], 8))
 
 
@@ -168,7 +171,7 @@ def test_a_stream_is_tokenized_with_the_runs_tokenizer_from_epoch_0(tmp_path):
 def test_a_stream_without_document_boundaries_gives_no_document_ids(tmp_path):
     corpus(tmp_path / "c")
     batch = take(build(stream_config(tmp_path / "c", keep_document_boundaries=False))[0], 1)[0]
-    assert batch.doc_ids is None
+    assert batch.documents is None
 
 
 def test_streamed_training_skips_the_held_out_documents(tmp_path):
@@ -289,7 +292,9 @@ def test_stream_batches_are_moved_to_the_loaders_device(tmp_path):
     loader = build_loaders(stream_config(tmp_path / "c"), 2, 0, 1, 0, "meta", max_seq_len=64,
                            model_vocab_size=512)[0]
     batch = next(iter(loader))
-    assert batch.inputs.device.type == batch.targets.device.type == batch.doc_ids.device.type == "meta"
+    documents = batch.documents
+    tensors = (batch.inputs, batch.targets, documents.doc_index, documents.cu_seqlens, documents.positions)
+    assert {t.device.type for t in tensors} == {"meta"}
 
 
 def test_a_stream_on_the_cpu_reads_without_warnings(tmp_path):

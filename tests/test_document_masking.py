@@ -1,6 +1,6 @@
 """Document masking of packed windows (data.keep_document_boundaries): attention within each
 document and RoPE positions restarting at its start, for the eager model and the reference CODA
-model, and doc_ids travelling from the loader through the trainer to the model. The cute
+model, and documents travelling from the loader through the trainer to the model. The cute
 backend's FA4 varlen path is tested in tests/gpu/test_cute_varlen.py."""
 
 import pytest
@@ -9,6 +9,7 @@ from model_states import documents_of
 from test_coda import CONFIGS, assert_close_to, canonical_grads, model_pair
 
 from codatrain.config import load_config, validate
+from codatrain.kernels import attention
 from codatrain.kernels.attention import documents_from_ids, sdpa_attention
 from codatrain.model.llama import IGNORE_INDEX, rope_cos_sin
 from codatrain.train.distributed import init_distributed
@@ -165,9 +166,10 @@ def test_one_document_per_row_equals_the_unmasked_path_exactly(impl):
 
 @pytest.mark.parametrize("block", [["block=eager"], ["block=coda", "block.backend=reference"]],
                          ids=["eager", "coda"])
-def test_trainer_hands_the_batch_doc_ids_to_the_model(tmp_path, block):
-    """With data.keep_document_boundaries the loader's doc_ids reach the model's forward, in
-    training steps and in evaluation."""
+def test_trainer_hands_the_loaders_documents_to_the_model(tmp_path, block, monkeypatch):
+    """With data.keep_document_boundaries the loader's documents, made on the host, reach the
+    model's forward, in training steps and in evaluation; the model makes none from ids, which
+    on a GPU would wait for the device every micro-batch."""
     run = validate(load_config([
         *block, "data.keep_document_boundaries=true", "data.seq_len=64", "train.micro_batch_size=4",
         "train.steps=1", "train.val_batches=1", "model.n_layers=1", f"train.run_dir={tmp_path}",
@@ -178,15 +180,23 @@ def test_trainer_hands_the_batch_doc_ids_to_the_model(tmp_path, block):
     forward = trainer.model.forward
 
     def recording_forward(tokens, targets=None, doc_ids=None, **options):
-        seen.append(doc_ids)
+        seen.append((doc_ids, options.get("documents")))
         return forward(tokens, targets, doc_ids=doc_ids, **options)
 
+    def made_in_the_model(doc_ids):
+        raise AssertionError("the model made documents from ids")
+
     trainer.model.forward = recording_forward
+    # The models make documents through this module's function; the loader has its own reference.
+    monkeypatch.setattr(attention, "documents_from_ids", made_in_the_model)
     batches = iter(trainer.train_data)
-    expected = next(iter(trainer.train_data)).doc_ids
+    expected = next(iter(trainer.train_data)).documents
     loss = trainer.train_step(batches).loss
     assert torch.isfinite(torch.tensor(loss))
-    assert seen[0] is not None and torch.equal(seen[0], expected)
+    doc_ids, documents = seen[0]
+    assert doc_ids is None and documents is not None
+    assert torch.equal(documents.doc_index, expected.doc_index)
+    assert torch.equal(documents.cu_seqlens, expected.cu_seqlens)
     trainer.evaluate()
-    assert len(seen) == 2 and seen[1] is not None and seen[1].shape == (4, 64)
+    assert len(seen) == 2 and seen[1][0] is None and seen[1][1].doc_index.shape == (4, 64)
     trainer.close()

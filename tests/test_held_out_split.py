@@ -32,7 +32,8 @@ def build(cfg):
 
 
 def same(a, b):
-    return len(a) == len(b) and all(torch.equal(x.inputs, y.inputs) and torch.equal(x.doc_ids, y.doc_ids)
+    return len(a) == len(b) and all(torch.equal(x.inputs, y.inputs)
+                                    and torch.equal(x.documents.doc_index, y.documents.doc_index)
                                     for x, y in zip(a, b, strict=True))
 
 

@@ -185,10 +185,10 @@ def test_synthetic_loaders_train_on_split_0_and_validate_once_over_split_1(shuff
     first = train.order(0)[2:4].tolist()  # rank 1's slice of the first step
     batch = next(iter(train))
     assert batch.inputs.tolist() == [windows[0][i].tokens[:-1].tolist() for i in first]
-    assert batch.doc_ids is not None
+    assert batch.documents is not None
     batch = next(iter(val))
     assert batch.inputs.tolist() == [windows[1][i].tokens[:-1].tolist() for i in (2, 3)]
-    assert batch.doc_ids is not None
+    assert batch.documents is not None
 
 
 def test_validation_of_stored_data_keeps_document_boundaries(tmp_path):
@@ -197,7 +197,7 @@ def test_validation_of_stored_data_keeps_document_boundaries(tmp_path):
                      val_fraction=0.25, keep_document_boundaries=True, num_workers=0,
                      cache_dir=str(tmp_path / "cache"))
     _, val = build(cfg)
-    assert next(iter(val)).doc_ids is not None
+    assert next(iter(val)).documents is not None
 
 
 # ---- token directories -----------------------------------------------------------------------------
@@ -226,7 +226,7 @@ def test_token_directory_report_counts_tokens_documents_shards_and_held_out_toke
         if fraction:
             assert shards.num_tokens > 1000
             expected += f"; validation: {val.dataset.stream.num_tokens:,} held-out tokens"
-            assert next(iter(val)).doc_ids is not None
+            assert next(iter(val)).documents is not None
         else:
             assert val is None
         assert train.report == expected
@@ -286,7 +286,7 @@ def test_stream_validation_holds_out_documents_or_reads_the_validation_path(tmp_
     loader = val._loader
     assert (loader.name, loader.repeat, loader.shuffle, loader.num_workers) == ("validation", False, False, 0)
     assert (loader.batch_size, loader.rank, loader.world_size) == (1, 1, 2)
-    assert len(batches) == len(loader) > 0 and batches[0].doc_ids is not None
+    assert len(batches) == len(loader) > 0 and batches[0].documents is not None
 
     val_path = write_jsonl(tmp_path / "val.jsonl", texts[:3])
     train, val = build(stream_config(tmp_path / "c", val_fraction=0.25, val_path=str(val_path)))

@@ -182,7 +182,7 @@ def test_validation_smaller_than_one_batch_is_evaluated_per_target_token(tmp_pat
     assert 0 < len(windows) < 8
     whole = collate([windows[i] for i in range(len(windows))])
     with torch.no_grad():
-        expected = t.model(whole.inputs, whole.targets, doc_ids=whole.doc_ids, reduction="sum").item()
+        expected = t.model(whole.inputs, whole.targets, documents=whole.documents, reduction="sum").item()
     expected /= (whole.targets != IGNORE_INDEX).sum().item()
     assert t.evaluate() == pytest.approx(expected, rel=1e-5)
     t.close()

@@ -262,7 +262,8 @@ def test_examples_are_packed_whole_with_document_ids_and_padding_ignored(tmp_pat
                             "0 without a target dropped")
     batches = list(islice(train, 3))
     first = batches[0]
-    assert first.doc_ids[0].tolist() == [0] * 31 + [1] * 28 + [2] * 5  # padding is a document of its own
+    # Padding is a document of its own.
+    assert first.documents.doc_index[0].tolist() == [0] * 31 + [1] * 28 + [2] * 5
     assert windows[0].doc_ids.dtype == np.int32  # as pretraining's windows give them
     assert windows[1].doc_ids.tolist() == [0] * 33 + [1] * 31  # ids count from each window's first example
     for outside in (-1, 3):

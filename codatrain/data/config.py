@@ -79,7 +79,7 @@ class DataConfig:
     # was trained with (a checkpoint's record, an HF folder's own) where known, else byte
     tokenizer: str | None = None
     seq_len: int = 128  # tokens per training sequence (windows of seq_len + 1 tokens)
-    keep_document_boundaries: bool = False  # batches carry per-token document ids (Batch.doc_ids)
+    keep_document_boundaries: bool = False  # batches carry their documents (Batch.documents)
     val_fraction: float = 0.02  # held-out share of documents, when no val_path / val_split is given
     val_path: str | None = None  # a separate validation file, folder or glob (same formats as path)
     val_split: str | None = None  # hub: a separate validation split, e.g. "validation"

@@ -66,7 +66,7 @@ class PaddedWindows(torch.utils.data.Dataset):
 
 
 class PackedLoader:
-    """Batches of one rank, as `Batch(inputs, targets, doc_ids)` on `device`.
+    """Batches of one rank, as `Batch(inputs, targets, documents)` on `device`.
 
     With `repeat` (training) iteration is endless, continues from the current position, and
     `state_dict()` records where it stands. Without (validation) every `iter()` makes one pass over

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from codatrain.data.token_shards import TokenShards
+from codatrain.kernels.attention import Documents, documents_from_ids
 from codatrain.kernels.stages import IGNORE_INDEX
 
 
@@ -21,19 +22,23 @@ class Batch(NamedTuple):
     IGNORE_INDEX where the loss must not count them (fine-tuning: everything but the assistant's
     tokens, and padding).
 
-    doc_ids (when data.keep_document_boundaries): (batch, seq_len) int32, the index of the document
-    each input token belongs to, counted from 0 in every row. A document starts at its BOS, and its
-    EOS belongs to it. The models take it as `doc_ids` and mask attention to each document
-    (`codatrain.kernels.attention.documents_from_ids`).
+    documents (when data.keep_document_boundaries): the documents of the input tokens
+    (`codatrain.kernels.attention.Documents`; `doc_index` says which document of its row each token
+    belongs to). A document starts at its BOS, and its EOS belongs to it. The models take them as
+    `documents` and mask attention to each document. `collate` makes them on the host, in the
+    loader's workers: made on the device from document ids they would cost a host sync per
+    micro-batch.
     """
 
     inputs: torch.Tensor
     targets: torch.Tensor
-    doc_ids: torch.Tensor | None = None
+    documents: Documents | None = None
 
     def to(self, device: torch.device) -> Batch:
-        """Copy to `device`; non-blocking, which overlaps the copy when the batch is in pinned memory."""
-        return Batch(*(None if t is None else t.to(device, non_blocking=True) for t in self))
+        """Copy to `device`; non-blocking, which overlaps the copy when the batch is in pinned memory
+        (the DataLoader pins a NamedTuple field by field, `Documents` by its `pin_memory`)."""
+        return Batch(self.inputs.to(device, non_blocking=True), self.targets.to(device, non_blocking=True),
+                     None if self.documents is None else self.documents.to(device))
 
 
 class Window(NamedTuple):
@@ -93,10 +98,12 @@ class SyntheticWindows(torch.utils.data.Dataset):
 def collate(windows: list[Window]) -> Batch:
     windows = [Window(*w) for w in windows]  # plain (tokens, doc_ids[, target_mask]) tuples too
     tokens = torch.from_numpy(np.stack([w.tokens for w in windows]))
-    doc_ids = None if windows[0].doc_ids is None else torch.from_numpy(np.stack([w.doc_ids for w in windows]))
+    documents = None
+    if windows[0].doc_ids is not None:
+        documents = documents_from_ids(torch.from_numpy(np.stack([w.doc_ids for w in windows])))
     targets = tokens[:, 1:].clone()
     if any(w.target_mask is not None for w in windows):  # a validation batch's filler has one
         counts = [np.ones(targets.shape[1], dtype=bool) if w.target_mask is None else w.target_mask
                   for w in windows]
         targets[~torch.from_numpy(np.stack(counts))] = IGNORE_INDEX
-    return Batch(tokens[:, :-1].contiguous(), targets, doc_ids)
+    return Batch(tokens[:, :-1].contiguous(), targets, documents)

@@ -24,8 +24,8 @@ Packing. Examples are laid back to back, in the records' order, into windows of 
 (inputs are the first seq_len, targets the last seq_len, as in pretraining); a window holds whole
 examples only and the rest of it is padding (EOS tokens, no targets, a document of their own). An
 example longer than a window is cut to its first seq_len + 1 tokens or dropped
-(`data.sft_overlong`); one left without targets is dropped. Document ids mark the examples of a
-window as `Batch.doc_ids` does for pretraining documents.
+(`data.sft_overlong`); one left without targets is dropped. Document ids (`Window.doc_ids`) mark the
+examples of a window as they mark a pretraining window's documents.
 """
 
 from __future__ import annotations

@@ -183,7 +183,7 @@ class Trainer:
         scale = self.dp_size / step_targets
         loss_sum = torch.zeros((), device=self.dist.device)
         for batch in micro_batches:
-            loss = self.model(batch.inputs, batch.targets, doc_ids=batch.doc_ids, reduction="sum")
+            loss = self.model(batch.inputs, batch.targets, documents=batch.documents, reduction="sum")
             (loss * scale).backward()
             loss_sum += loss.detach()
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
@@ -220,7 +220,7 @@ class Trainer:
         refresh_scales(self.model)  # the weights' FP8 scales, as a training step's
         loss_sum, targets = torch.zeros((), device=self.dist.device), torch.zeros((), device=self.dist.device)
         for i, batch in enumerate(itertools.islice(self.val_data, math.ceil(wanted / dp_size))):
-            loss = self.model(batch.inputs, batch.targets, doc_ids=batch.doc_ids, reduction="sum")
+            loss = self.model(batch.inputs, batch.targets, documents=batch.documents, reduction="sum")
             if i * dp_size + self.dp_rank < wanted:
                 loss_sum += loss
                 targets += (batch.targets != IGNORE_INDEX).sum()
