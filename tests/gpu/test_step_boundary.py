@@ -49,3 +49,35 @@ def test_the_step_returns_while_the_update_is_still_queued(tmp_path, monkeypatch
     assert update_pending, "train_step waited for the optimizer's update"
     assert math.isfinite(outcome.loss) and outcome.grad_norm > 0 and outcome.stopped_by is None
     assert moved  # the update did run, after train_step returned
+
+
+# Document masking on (the loader's host-made layouts) and two micro-batches a step; the cute run at
+# widths its kernels and FA4 take (head dim 64).
+SYNC_FREE_RUNS = {
+    "eager": ["block=eager"],
+    "coda-cute": ["block=coda", "block.backend=cute", "model.dim=256", "model.n_heads=4",
+                  "model.n_kv_heads=2", "model.head_dim=64", "model.ffn_dim=704"],
+}
+
+
+@pytest.mark.parametrize("run", list(SYNC_FREE_RUNS))
+def test_a_training_step_never_synchronizes_implicitly(tmp_path, run):
+    """No operation of a step waits for the device behind the host's back (an `.item()`, a
+    `nonzero`, a copy from pageable memory): CUDA's sync debug mode makes each one an error. The
+    step's one deliberate wait, on the event after its loss and norm, is not such an operation."""
+    if run == "coda-cute" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the cute kernels need an sm_90 GPU")
+    overrides = [*RUN, *SYNC_FREE_RUNS[run], "data.keep_document_boundaries=true", "data.seq_len=128",
+                 "train.tokens_per_step=512", f"train.run_dir={tmp_path}"]
+    trainer = Trainer(validate(load_config(overrides)), init_distributed("cuda"))
+    assert trainer.grad_accum == 2
+    batches = iter(trainer.train_data)
+    trainer.train_step(batches)  # first launches, compilation and the optimizer's state
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outcome = trainer.train_step(batches)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        trainer.close()
+    assert math.isfinite(outcome.loss) and outcome.grad_norm > 0
