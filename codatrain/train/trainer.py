@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import time
@@ -13,6 +14,7 @@ from omegaconf import DictConfig
 
 from codatrain.config import RunConfig, validate
 from codatrain.data import build_loaders
+from codatrain.kernels.checks import deferred_checks
 from codatrain.kernels.stages import IGNORE_INDEX
 from codatrain.model import build_model
 from codatrain.train.attempts import Attempt, sigterm_raises
@@ -169,10 +171,29 @@ class Trainer:
         device when the loss, the gradient norm or an FP8 amax is not finite; `complete_step` or
         the skip path then does the host's part. The host waits only for those values, not for the
         update: its part of the step, and the next step's launches, run while the device updates.
+
+        A kernel's checks on its own results (`kernels/checks.py`: the LM head's fast pipeline is
+        exact only up to a per-row loss) are read with the loss, not one host sync each. A step in
+        which one failed on any rank skips its update too and is computed again, each check read
+        at once, so its gradients are those of the exact path.
         """
         t0 = time.perf_counter()
         micro_batches = [next(batches) for _ in range(self.grad_accum)]
         data_time = time.perf_counter() - t0
+        outcome, checks_failed = self._accumulate_and_update(micro_batches, data_time, defer_checks=True)
+        if not checks_failed:
+            return outcome
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.fp8_scaling is not None:
+            self.fp8_scaling.discard_step()
+        self.logger.info(f"step {self.step + 1}: a kernel's fast path was not exact on this step's data "
+                         "(the LM head's loss past its range); computing the step again on the exact path")
+        return self._accumulate_and_update(micro_batches, data_time, defer_checks=False)[0]
+
+    def _accumulate_and_update(self, micro_batches: list, data_time: float,
+                               defer_checks: bool) -> tuple[StepOutcome, bool]:
+        """train_step on these micro-batches; also whether a deferred kernel check failed (then
+        the update was skipped on the device)."""
         local_targets = sum((batch.targets != IGNORE_INDEX).sum() for batch in micro_batches)
         # The weights changed at the last optimizer step (or a checkpoint load): their FP8 scales.
         refresh_scales(self.model)
@@ -182,14 +203,17 @@ class Trainer:
         # mesh); their number turns that average into the sum.
         scale = self.dp_size / step_targets
         loss_sum = torch.zeros((), device=self.dist.device)
-        for batch in micro_batches:
-            loss = self.model(batch.inputs, batch.targets, documents=batch.documents, reduction="sum")
-            (loss * scale).backward()
-            loss_sum += loss.detach()
+        with deferred_checks() if defer_checks else contextlib.nullcontext() as checks:
+            for batch in micro_batches:
+                loss = self.model(batch.inputs, batch.targets, documents=batch.documents, reduction="sum")
+                (loss * scale).backward()
+                loss_sum += loss.detach()
+        checks_failed = checks.failed(loss_sum) if checks is not None else loss_sum.new_zeros(())
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm(grads).full_tensor()  # a DTensor: FSDP2's gradients
-        # The stop flags ride on the loss's all-reduce: every rank learns of a signal at this step.
-        sums = all_reduce_sum(torch.cat([loss_sum.view(1), self.stop.on_device()]))
+        # The stop flags and the failed checks ride on the loss's all-reduce: every rank learns of
+        # them at this step.
+        sums = all_reduce_sum(torch.cat([loss_sum.view(1), checks_failed.view(1), self.stop.on_device()]))
         largest_amax = loss_sum.new_zeros(())
         if self.fp8_scaling is not None:
             all_reduce_max_(self.fp8_scaling.step_amax)  # every rank records the same history
@@ -203,11 +227,13 @@ class Trainer:
         # Clipping as torch's clip_grad_norm_ computes it (its 1e-6 included), applied by the update.
         clip = self.run.optim.grad_clip
         divisor = (grad_norm + 1e-6).div(clip).clamp(min=1.0) if clip > 0 else None
-        update_unless(self.optimizer, (~torch.isfinite(checked).all()).float(), divisor)
+        skip = ((~torch.isfinite(checked).all()) | (sums[1] > 0)).float()
+        update_unless(self.optimizer, skip, divisor)
         if computed is not None:
             computed.synchronize()
-        loss, norm, amax, *stop_sums = host_report.tolist()
-        return StepOutcome(loss, norm, not math.isfinite(amax), data_time, self.stop.name(stop_sums))
+        loss, norm, amax, failed, *stop_sums = host_report.tolist()
+        outcome = StepOutcome(loss, norm, not math.isfinite(amax), data_time, self.stop.name(stop_sums))
+        return outcome, failed > 0
 
     @torch.no_grad()
     def evaluate(self) -> float:

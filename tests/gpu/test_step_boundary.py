@@ -13,8 +13,12 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from codatrain.config import load_config, validate  # noqa: E402
+from codatrain.kernels.cute import head  # noqa: E402
+from codatrain.kernels.cute.head import SCALED_EXP_MAX_LOSS  # noqa: E402
+from codatrain.kernels.stages import get_backend  # noqa: E402
 from codatrain.train import trainer as trainer_module  # noqa: E402
 from codatrain.train.distributed import init_distributed  # noqa: E402
+from codatrain.train.logger import LOG_FILE  # noqa: E402
 from codatrain.train.trainer import Trainer  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -52,25 +56,37 @@ def test_the_step_returns_while_the_update_is_still_queued(tmp_path, monkeypatch
 
 
 # Document masking on (the loader's host-made layouts) and two micro-batches a step; the cute run at
-# widths its kernels and FA4 take (head dim 64).
+# widths its kernels and FA4 take (head dim 64), its LM head on the scaled-exp pipeline (512 rows a
+# micro-batch, not d = 256: the pipeline whose range check the step defers).
 SYNC_FREE_RUNS = {
     "eager": ["block=eager"],
     "coda-cute": ["block=coda", "block.backend=cute", "model.dim=256", "model.n_heads=4",
                   "model.n_kv_heads=2", "model.head_dim=64", "model.ffn_dim=704"],
 }
+SEQ_LEN = 256
+
+
+def sync_free_trainer(run: str, run_dir) -> Trainer:
+    overrides = [*RUN, *SYNC_FREE_RUNS[run], "data.keep_document_boundaries=true", f"data.seq_len={SEQ_LEN}",
+                 f"train.tokens_per_step={4 * SEQ_LEN}", f"train.run_dir={run_dir}"]
+    trainer = Trainer(validate(load_config(overrides)), init_distributed("cuda"))
+    assert trainer.grad_accum == 2
+    if run == "coda-cute":
+        cfg, rows = trainer.model_cfg, 2 * SEQ_LEN
+        chunk_rows = get_backend("cute", "cuda").head_chunk_rows(cfg.vocab_size)
+        assert head.scaled_exp_applies(rows, cfg.dim, cfg.vocab_size, chunk_rows)
+    return trainer
 
 
 @pytest.mark.parametrize("run", list(SYNC_FREE_RUNS))
 def test_a_training_step_never_synchronizes_implicitly(tmp_path, run):
     """No operation of a step waits for the device behind the host's back (an `.item()`, a
-    `nonzero`, a copy from pageable memory): CUDA's sync debug mode makes each one an error. The
-    step's one deliberate wait, on the event after its loss and norm, is not such an operation."""
+    `nonzero`, a copy from pageable memory, the LM head's range check): CUDA's sync debug mode makes
+    each one an error. The step's one deliberate wait, on the event after its loss and norm, is not
+    such an operation."""
     if run == "coda-cute" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the cute kernels need an sm_90 GPU")
-    overrides = [*RUN, *SYNC_FREE_RUNS[run], "data.keep_document_boundaries=true", "data.seq_len=128",
-                 "train.tokens_per_step=512", f"train.run_dir={tmp_path}"]
-    trainer = Trainer(validate(load_config(overrides)), init_distributed("cuda"))
-    assert trainer.grad_accum == 2
+    trainer = sync_free_trainer(run, tmp_path)
     batches = iter(trainer.train_data)
     trainer.train_step(batches)  # first launches, compilation and the optimizer's state
     torch.cuda.synchronize()
@@ -81,3 +97,21 @@ def test_a_training_step_never_synchronizes_implicitly(tmp_path, run):
         torch.cuda.set_sync_debug_mode("default")
         trainer.close()
     assert math.isfinite(outcome.loss) and outcome.grad_norm > 0
+
+
+def test_a_step_past_the_heads_fast_range_is_computed_again_on_the_exact_path(tmp_path):
+    """Logits in the hundreds (the LM head's weight scaled up): the scaled-exp pipeline's gradients
+    would be NaN. The step's deferred range check fails, the update is skipped, and the step is
+    computed again with the check read at once (the base pipeline): finite, and logged."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the cute kernels need an sm_90 GPU")
+    trainer = sync_free_trainer("coda-cute", tmp_path)
+    head_weight = next(p for name, p in trainer.model.named_parameters() if name.endswith(".w_lm_head"))
+    with torch.no_grad():
+        head_weight.to_local().mul_(400.0)
+    outcome = trainer.train_step(iter(trainer.train_data))
+    trainer.close()
+    log = (tmp_path / LOG_FILE).read_text()
+    assert outcome.loss > SCALED_EXP_MAX_LOSS and math.isfinite(outcome.loss)
+    assert math.isfinite(outcome.grad_norm) and outcome.grad_norm > 0
+    assert "step 1: a kernel's fast path was not exact" in log, log

@@ -21,7 +21,8 @@ Three pieces, all QuACK's:
    offset, e^(L − k_y ln 2), which overflows (and the offset 2^(k_y − k_r) underflows bf16) once a
    row's loss nears 88 nats: every gradient then comes out NaN. A micro-batch with a loss past
    SCALED_EXP_MAX_LOSS is recomputed on the base pipeline, whose dlogits are formed in fp32 at any
-   magnitude. The check costs one host sync per micro-batch (tens of microseconds);
+   magnitude. Read at once the check is a host sync per micro-batch; a training step defers it to
+   its end (`kernels/checks.py`) and computes a step that failed it again;
 3. its RMSNorm-backward row kernel on dn, which forms the ZdZ row sum Σ n·dn itself.
 The op is functional (QuACK allocates its outputs), with a fake for torch.compile.
 """
@@ -36,6 +37,7 @@ from quack.rmsnorm import rmsnorm_fwd
 from quack.rmsnorm_config import get_sm_count
 from torch import Tensor
 
+from codatrain.kernels.checks import holds
 from codatrain.kernels.cute.common import ROW_MULTIPLE, padded_width
 
 # The scaled-exp pipeline pads its last chunk to whole 128-row tiles and tiles the vocabulary by
@@ -141,8 +143,9 @@ def last_dlogits_like(rows: int, vocab_size: int, like: Tensor) -> Tensor:
 
 
 def scaled_exp_is_exact(loss: Tensor) -> bool:
-    """Whether a scaled-exp result holds (SCALED_EXP_MAX_LOSS); a host sync."""
-    return bool(loss.max() <= SCALED_EXP_MAX_LOSS)
+    """Whether a scaled-exp result holds (SCALED_EXP_MAX_LOSS): a host sync, or, inside a training
+    step's `deferred_checks()`, taken to hold and checked at the step's end."""
+    return holds(loss.max() <= SCALED_EXP_MAX_LOSS)
 
 
 def summed_base_pipeline(n: Tensor, weight: Tensor, targets: Tensor, chunk_rows: int,
