@@ -43,10 +43,11 @@ def run(run_dir: Path, *overrides: str):
 
 def test_a_step_whose_check_failed_is_computed_again_as_if_read_at_once(tmp_path, monkeypatch):
     clean = run(tmp_path / "clean")
-    original, calls, weights = Llama.forward, itertools.count(), {}
+    original, calls, weights, deferred = Llama.forward, itertools.count(), {}, []
 
     def forward(self, tokens, targets=None, **options):  # two micro-batches a step
         n = next(calls)
+        deferred.append(checks._active is not None)
         if n in (2, 4, 6):  # step 2's two attempts and step 3 begin
             weights[n] = [p.full_tensor().clone() if isinstance(p, DTensor) else p.detach().clone()
                           for p in self.parameters()]
@@ -57,6 +58,8 @@ def test_a_step_whose_check_failed_is_computed_again_as_if_read_at_once(tmp_path
     monkeypatch.setattr(Llama, "forward", forward)
     failed = run(tmp_path / "failed")
     assert next(calls) == 10  # 4 steps of 2 micro-batches, and step 2 once more
+    # Deferred until the failure; read at once in step 2's second attempt and every step after.
+    assert deferred == [True] * 4 + [False] * 6
     assert failed.losses == clean.losses  # the recomputed step is the step read at once
     assert all(torch.equal(a, b) for a, b in zip(weights[2], weights[4], strict=True))  # no update
     assert not all(torch.equal(a, b) for a, b in zip(weights[4], weights[6], strict=True))

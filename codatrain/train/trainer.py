@@ -156,6 +156,7 @@ class Trainer:
         # and the bad data rows and allocator retries (the count at the last warning) already reported.
         self.skipped_steps, self.window, self.run_time = 0, StepTime(), StepTime()
         self.reported_rows, self.reported_retries = 0, 0
+        self.defer_checks = True  # the kernels' checks read with the step's loss (train_step)
         self.stop = StopSignals(device)  # its handlers are set while fit() runs
 
     # ---- one optimizer step -------------------------------------------------------------------
@@ -175,19 +176,22 @@ class Trainer:
         A kernel's checks on its own results (`kernels/checks.py`: the LM head's fast pipeline is
         exact only up to a per-row loss) are read with the loss, not one host sync each. A step in
         which one failed on any rank skips its update too and is computed again, each check read
-        at once, so its gradients are those of the exact path.
+        at once, so its gradients are those of the exact path; from then on this process reads
+        them at once (data that failed a check once may again, and each failure would cost a step).
         """
         t0 = time.perf_counter()
         micro_batches = [next(batches) for _ in range(self.grad_accum)]
         data_time = time.perf_counter() - t0
-        outcome, checks_failed = self._accumulate_and_update(micro_batches, data_time, defer_checks=True)
+        outcome, checks_failed = self._accumulate_and_update(micro_batches, data_time, self.defer_checks)
         if not checks_failed:
             return outcome
         self.optimizer.zero_grad(set_to_none=True)
         if self.fp8_scaling is not None:
             self.fp8_scaling.discard_step()
+        self.defer_checks = False
         self.logger.info(f"step {self.step + 1}: a kernel's fast path was not exact on this step's data "
-                         "(the LM head's loss past its range); computing the step again on the exact path")
+                         "(the LM head's loss past its range); computing the step again on the exact path, "
+                         "and reading such checks at once from here on (a host sync per micro-batch)")
         return self._accumulate_and_update(micro_batches, data_time, defer_checks=False)[0]
 
     def _accumulate_and_update(self, micro_batches: list, data_time: float,
