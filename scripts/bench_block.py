@@ -28,6 +28,7 @@ Llama block complete the table. Times are medians of many runs, all measured in 
         --head-chunks 2048 4096 8192                                # the training LM head alone
     python scripts/bench_block.py --tokens 16384 --sections fp8 quantize  # FP8 stages, quantize passes
     python scripts/bench_block.py --model qwen3_8b --tokens 16384 --sections qknorm  # Qwen3's QK-norm
+    python scripts/bench_block.py --tokens 16384 --sections layouts  # plain dgrad/wgrad layouts
 
 Section `qknorm` times F4 with Qwen3's QK-norm (`gemm_rstd_qknorm_rope`) against F4 without it and
 the QKV GEMM alone (the issue's target: ≤ 1.05 × the plain QKV stage), and its backward against the
@@ -746,6 +747,30 @@ def quantize_fns(x: Inputs) -> dict[str, dict[str, Callable]]:
     }
 
 
+def layout_fns(x: Inputs) -> dict[str, dict[str, Callable]]:
+    """The backward's GEMMs at each layer shape as plain GEMMs in the layouts a backend could call
+    them: a dgrad dz·W as the cute backend calls it (`torch.mm(dz, W)`), on a weight stored
+    transposed (made once; and made at each call), and in QuACK's GEMM; the out-projection's weight
+    gradient as the backend calls it (`torch.mm(dzᵀ, a)`) and as (aᵀ·dz)ᵀ made contiguous."""
+    from quack.gemm_interface import gemm
+
+    def dgrads(dz: torch.Tensor, w: torch.Tensor) -> dict[str, Callable]:
+        w_t = w.t().contiguous()
+        return {"mm(dz, W)": lambda: torch.mm(dz, w), "mm(dz, Wt.t())": lambda: torch.mm(dz, w_t.t()),
+                "Wt made + mm": lambda: torch.mm(dz, w.t().contiguous().t()),
+                "quack gemm(dz, W)": lambda: gemm(dz, w, tuned=False),
+                "quack gemm(dz, Wt.t())": lambda: gemm(dz, w_t.t(), tuned=False)}
+
+    return {
+        "out-proj dgrad": dgrads(x.x, x.w_o),
+        "down dgrad": dgrads(x.x, x.w_down),
+        "gate/up dgrad": dgrads(x.preact, x.w_gu),
+        "QKV dgrad": dgrads(x.dqkv, x.w_qkv),
+        "out-proj wgrad": {"mm(dz.t(), a)": lambda: torch.mm(x.x.t(), x.attn_out),
+                           "mm(a.t(), dz).t() made": lambda: torch.mm(x.attn_out.t(), x.x).t().contiguous()},
+    }
+
+
 # (tile_m, tile_n, cluster_m, cluster_n, pingpong, fast_accum): QuACK's FP8 mainloop promotes the
 # accumulator to fp32 after every k-tile unless on fast accumulation; promoted, it holds two
 # accumulators per thread, which pingpong tiles hold only 64 wide. An epilogue's staged operands
@@ -828,12 +853,14 @@ def main() -> None:
                    help="split these cute stages' cost over cuBLAS into QuACK's plain GEMM, its GEMM + C "
                         "and the epilogue, at each stage's own config (none: the layer stages)")
     p.add_argument("--sections", nargs="*", default=["stages", "layer", "fwd_bwd"],
-                   choices=["stages", "layer", "fwd_bwd", "head", "fp8", "quantize", "qknorm", "none"],
+                   choices=["stages", "layer", "fwd_bwd", "head", "fp8", "quantize", "layouts", "qknorm",
+                            "none"],
                    help="stages: every stage alone; layer: attention and the layer forward; "
                         "fwd_bwd: the layer forward + backward against eager, compile and the floor; "
                         "head: the training LM head forward + backward against its peers and floor; "
                         "fp8: the FP8 GEMM stages against cuBLAS's FP8 GEMM and the bf16 stages; "
                         "quantize: the FP8 quantize passes against a bf16 copy of their input; "
+                        "layouts: the backward's plain GEMMs in other layouts and in QuACK's GEMM; "
                         "qknorm: F4 with Qwen3's QK-norm and its backward against F4 and RoPE's; "
                         "none: only --sweep / --ablate")
     p.add_argument("--head-chunks", type=int, nargs="+",
@@ -939,6 +966,17 @@ def main() -> None:
             results["quantize"][name] = times
             print(f"{name:40s} stage {times['stage']:.3f} ms  bf16 copy {times['bf16 copy']:.3f} ms "
                   f"({times['stage'] / times['bf16 copy']:.3f}x)", flush=True)
+    if "layouts" in args.sections:
+        results["layouts"] = {}
+        print(f"\nThe backward's plain GEMMs in other layouts ({args.model}, M={args.tokens}; "
+              "ratios to the first)")
+        for name, fns in layout_fns(x).items():
+            times = dict(zip(fns, median_ms(list(fns.values()), device, warmup=args.warmup, iters=args.iters),
+                             strict=True))
+            results["layouts"][name] = times
+            base = next(iter(times.values()))
+            parts = (f"{key} {ms:.3f} ms ({ms / base:.3f}x)" for key, ms in times.items())
+            print(f"{name:16s} " + "  ".join(parts), flush=True)
     if "qknorm" in args.sections:
         results["qknorm"] = {}
         print(f"\nQwen3's QK-norm ({args.model}, M={args.tokens}; ratios to the first of each group)")
