@@ -246,13 +246,11 @@ def layer_rows(
     c, b, t = x.cfg, x.batch, x.seq_len
     attention = get_attention(attention_name, device)
     qkv = torch.randn(b, t, c.n_heads + 2 * c.n_kv_heads, c.head_dim, device=device).to(x.x.dtype)
-    q, k, v = qkv.split([c.n_heads, c.n_kv_heads, c.n_kv_heads], dim=2)
     sdpa = get_attention("sdpa", device)
 
     def coda_layer() -> torch.Tensor:
         z = s.gemm_rstd_rope(x.h, x.w_qkv, x.rstd, x.positions, **x.rope)
-        zq, zk, zv = z.view(b, t, -1, c.head_dim).split([c.n_heads, c.n_kv_heads, c.n_kv_heads], dim=2)
-        o = attention(zq, zk, zv).reshape(x.m, -1)
+        o = attention(z.view(b, t, -1, c.head_dim), c.n_kv_heads).reshape(x.m, -1)
         x1, h1, p1 = s.gemm_residual_rms(o, x.w_o, x.x, x.gamma)
         _, y = s.gemm_rstd_swiglu(h1, x.w_gu, s.rstd_from_partials(p1, dim=c.dim, eps=EPS))
         x2, h2, p2 = s.gemm_residual_rms(y, x.w_down, x1, x.gamma)
@@ -260,7 +258,7 @@ def layer_rows(
 
     def floor_layer() -> None:
         torch.mm(x.h, x.w_qkv.t())
-        attention(q, k, v)
+        attention(qkv, c.n_kv_heads)
         torch.mm(x.attn_out, x.w_o.t())
         torch.mm(x.h, x.w_gu.t())
         torch.mm(x.y, x.w_down.t())
@@ -274,18 +272,18 @@ def layer_rows(
         return block(x_btd, cos, sin)
 
     qkv_grad = qkv.detach().requires_grad_()
-    dout = torch.randn_like(q)
+    dout = torch.randn(b, t, c.n_heads, c.head_dim, device=device).to(x.x.dtype)
 
     def fwd_bwd(fn: Callable) -> Callable:
         def run() -> None:
-            gq, gk, gv = qkv_grad.split([c.n_heads, c.n_kv_heads, c.n_kv_heads], dim=2)
-            fn(gq, gk, gv).backward(dout)
+            qkv_grad.grad = None
+            fn(qkv_grad, c.n_kv_heads).backward(dout)
 
         return run
 
     rows = [
-        (f"attention fwd ({attention_name} vs sdpa)", lambda: attention(q, k, v), None,
-         lambda: sdpa(q, k, v)),
+        (f"attention fwd ({attention_name} vs sdpa)", lambda: attention(qkv, c.n_kv_heads), None,
+         lambda: sdpa(qkv, c.n_kv_heads)),
         (f"attention fwd+bwd ({attention_name} vs sdpa)", fwd_bwd(attention), None, fwd_bwd(sdpa)),
         ("layer fwd (CODA vs floor vs eager)", coda_layer, floor_layer, eager_layer),
     ]
@@ -344,8 +342,7 @@ def fwd_bwd_fns(
 
     def floor() -> None:
         torch.mm(x.h, x.w_qkv.t())
-        q, k, v = qkv_split.split([c.n_heads, c.n_kv_heads, c.n_kv_heads], dim=2)
-        attention(q, k, v).backward(dattn)
+        attention(qkv_split, c.n_kv_heads).backward(dattn)
         qkv_split.grad = None
         torch.mm(x.attn_out, x.w_o.t())
         torch.mm(x.h, x.w_gu.t())

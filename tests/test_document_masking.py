@@ -45,15 +45,14 @@ def test_attention_within_documents_equals_each_document_alone(block_mask):
     the block mask (CUDA; unfused here). GQA 2:1, fp64."""
     g = torch.Generator().manual_seed(0)
     b, t, h_q, h_kv, d = *DOC_IDS.shape, 4, 2, 8
-    q = torch.randn(b, t, h_q, d, generator=g, dtype=torch.float64)
-    k, v = (torch.randn(b, t, h_kv, d, generator=g, dtype=torch.float64) for _ in range(2))
+    qkv = torch.randn(b, t, h_q + 2 * h_kv, d, generator=g, dtype=torch.float64)
     documents = documents_from_ids(DOC_IDS)
     if block_mask:
         documents = documents.with_block_mask()
     assert (documents.block_mask is None) != block_mask
-    out = sdpa_attention(q, k, v, documents)
+    out = sdpa_attention(qkv, h_kv, documents)
     for row, cols in documents_of(DOC_IDS):
-        alone = sdpa_attention(q[row:row + 1, cols], k[row:row + 1, cols], v[row:row + 1, cols])
+        alone = sdpa_attention(qkv[row:row + 1, cols], h_kv)
         torch.testing.assert_close(out[row:row + 1, cols], alone, rtol=1e-12, atol=1e-12)
 
 

@@ -132,19 +132,27 @@ def document_attention(
 
 
 class AttentionFn(Protocol):
-    """(q (B, T, h_q, d_h), k (B, T, h_kv, d_h), v (B, T, h_kv, d_h), documents) -> out (B, T,
-    h_q, d_h): causal, and within documents when they are given."""
+    """(qkv (B, T, h_q + 2·h_kv, d_h), h_kv, documents) -> out (B, T, h_q, d_h): causal GQA
+    attention of the q, k and v heads of one fused tensor (q heads first, then k, then v), and
+    within documents when they are given. Taking them fused lets an implementation write the
+    gradients of q, k and v into one (B, T, h_q + 2·h_kv, d_h) tensor, the QKV backward's input,
+    instead of autograd concatenating three."""
 
     def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None = None
+        self, qkv: torch.Tensor, n_kv_heads: int, documents: Documents | None = None
     ) -> torch.Tensor: ...
 
 
-def sdpa_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents | None = None
-) -> torch.Tensor:
+def split_heads(qkv: torch.Tensor, n_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The q, k and v views of qkv (..., h_q + 2·h_kv, d_h)."""
+    n_heads = qkv.shape[-2] - 2 * n_kv_heads
+    q, k, v = qkv.split([n_heads, n_kv_heads, n_kv_heads], dim=-2)
+    return q, k, v
+
+
+def sdpa_attention(qkv: torch.Tensor, n_kv_heads: int, documents: Documents | None = None) -> torch.Tensor:
     """PyTorch's attention: scaled_dot_product_attention, or `document_attention` with documents."""
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    q, k, v = (t.transpose(1, 2) for t in split_heads(qkv, n_kv_heads))
     if documents is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     else:
@@ -182,7 +190,5 @@ def causal_attention(
     """Attention over qkv (M, (h_q + 2·h_kv)·d_h), M = batch·T rows in sequence order, within
     `documents` when given; returns the attention output (M, h_q·d_h), the A operand of the
     out-projection."""
-    q, k, v = qkv.view(batch, -1, n_heads + 2 * n_kv_heads, head_dim).split(
-        [n_heads, n_kv_heads, n_kv_heads], dim=2
-    )
-    return attention(q, k, v, documents).reshape(qkv.shape[0], n_heads * head_dim)
+    heads = qkv.view(batch, -1, n_heads + 2 * n_kv_heads, head_dim)
+    return attention(heads, n_kv_heads, documents).reshape(qkv.shape[0], n_heads * head_dim)

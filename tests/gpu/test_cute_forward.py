@@ -199,8 +199,7 @@ def check_fa4(batch: int, seq_len: int, n_heads: int, n_kv_heads: int, head_dim:
 
     def run(fn, dtype):
         leaf = qkv.detach().to(dtype).clone().requires_grad_()
-        q, k, v = leaf.split([n_heads, n_kv_heads, n_kv_heads], dim=2)
-        out = fn(q, k, v)
+        out = fn(leaf, n_kv_heads)
         out.backward(dout.to(dtype))
         return out.detach(), leaf.grad
 
@@ -227,8 +226,8 @@ def test_layer_forward_compiles_without_graph_breaks(backends):
     def layer(x0: torch.Tensor, h0: torch.Tensor, r0: torch.Tensor, pos: torch.Tensor):
         qkv = cute.gemm_rstd_rope(h0, w_qkv, r0, pos, head_dim=s.head_dim,
                                   rope_heads=s.n_heads + s.n_kv_heads, rope=Rope(500000.0))
-        q, k, v = qkv.view(batch, s.seq_len, -1, s.head_dim).split([s.n_heads, s.n_kv_heads, s.n_kv_heads], 2)
-        attn = fa4_attention(q, k, v).reshape(s.tokens, k_attn)
+        heads = qkv.view(batch, s.seq_len, -1, s.head_dim)
+        attn = fa4_attention(heads, s.n_kv_heads).reshape(s.tokens, k_attn)
         x1, h1, p1 = cute.gemm_residual_rms(attn, w_o, x0, g_mlp)
         _, y = cute.gemm_rstd_swiglu(h1, w_gu, cute.rstd_from_partials(p1, dim=s.dim, eps=EPS))
         x2, h2, p2 = cute.gemm_residual_rms(y, w_down, x1, g_attn)

@@ -78,7 +78,7 @@ def test_fa4_varlen_equals_each_document_alone(case, compiled):
     attention = torch.compile(fa4_attention, fullgraph=True) if compiled else fa4_attention
 
     leaf = qkv.to(torch.bfloat16).requires_grad_()
-    out = attention(*leaf.split([h_q, h_kv, h_kv], dim=2), documents)
+    out = attention(leaf, h_kv, documents)
     out.backward(dout.to(torch.bfloat16))
 
     def alone(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,8 +86,7 @@ def test_fa4_varlen_equals_each_document_alone(case, compiled):
         leaf = qkv.to(dtype).detach().requires_grad_()  # its own leaf: qkv.to(fp32) is qkv itself
         outs = torch.zeros(batch, seq, h_q, d, dtype=dtype, device=DEVICE)
         for row, cols in documents_of(doc_ids):
-            q, k, v = leaf[row:row + 1, cols].split([h_q, h_kv, h_kv], dim=2)
-            outs[row:row + 1, cols] = sdpa_attention(q, k, v)
+            outs[row:row + 1, cols] = sdpa_attention(leaf[row:row + 1, cols], h_kv)
         outs.backward(dout.to(dtype))
         return outs.detach(), leaf.grad
 

@@ -45,7 +45,6 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from flash_attn.cute import flash_attn_func
 from flash_attn.cute.interface import BIN_BATCH_SEARCH_THRESH
 from quack.cute_dsl_utils import torch2cute_dtype_map
 from quack.rmsnorm import rmsnorm_fwd
@@ -53,10 +52,9 @@ from quack.rmsnorm import rmsnorm_fwd
 from codatrain.kernels.attention import Documents, causal_attention
 from codatrain.kernels.cache import HOPPER_SMS, KernelShapes
 from codatrain.kernels.cute import CuteStages, entry, head, quantize, rowwise
-from codatrain.kernels.cute.attention import varlen_backward, varlen_forward
+from codatrain.kernels.cute import attention as fa4
 from codatrain.kernels.cute.pins import (
     compile_only,
-    flash_attn_bwd,
     kernel_lookups,
     rmsnorm_bwd_impl,
     skipping_lce_glue,
@@ -439,12 +437,10 @@ def attention_kernels(s: KernelShapes) -> list[KernelSpec]:
         return _varlen_attention_kernels(s)
 
     def run(backward: bool) -> Callable[[], object]:
-        # The calls of codatrain.kernels.cute.attention (`_fa4_fwd`, `_fa4_bwd`).
-        def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: None) -> torch.Tensor:
-            with torch.no_grad():
-                out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+        def attention(qkv: torch.Tensor, n_kv_heads: int, documents: None) -> torch.Tensor:
+            out, lse = fa4.forward(qkv, n_kv_heads)
             if backward:
-                flash_attn_bwd(q, k, v, out, torch.empty_like(out), lse, causal=True)
+                fa4.backward(torch.empty_like(out), qkv, out, lse, n_kv_heads)
             return out
 
         return lambda: causal_attention(
@@ -463,13 +459,11 @@ def _varlen_attention_kernels(s: KernelShapes) -> list[KernelSpec]:
     counts = [1] + ([BIN_BATCH_SEARCH_THRESH + 1] if _tokens(s) > BIN_BATCH_SEARCH_THRESH else [])
 
     def run(backward: bool, count: int) -> Callable[[], object]:
-        def attention(
-            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents
-        ) -> torch.Tensor:
-            tokens = [t.flatten(0, 1) for t in (q, k, v)]  # as `fa4_attention` flattens them
-            out, lse = varlen_forward(*tokens, documents.cu_seqlens, documents.max_seqlen)
+        def attention(qkv: torch.Tensor, n_kv_heads: int, documents: Documents) -> torch.Tensor:
+            tokens = qkv.flatten(0, 1)  # as `fa4_attention` flattens it
+            out, lse = fa4.varlen_forward(tokens, n_kv_heads, documents.cu_seqlens, documents.max_seqlen)
             if backward:
-                varlen_backward(torch.empty_like(out), *tokens, out, lse, documents.cu_seqlens,
+                fa4.varlen_backward(torch.empty_like(out), tokens, out, lse, n_kv_heads, documents.cu_seqlens,
                                 documents.max_seqlen)
             return out
 
