@@ -79,6 +79,7 @@ def breakdown(summary: str) -> tuple[dict[str, float], float, int]:
 
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 
 
 def _profiled_steps(events: list[dict]) -> int:
@@ -97,8 +98,9 @@ def _device_activity(events: list[dict]) -> list[dict]:
 def _launcher_names(events: list[dict]):
     """A function naming the host operators (cpu_op) open at the launch of a device activity, as
     "outermost › innermost" ("(no operator)" for a bare runtime call)."""
+    # cuBLAS launches its kernels through the driver API (cuLaunchKernelEx), the rest through the runtime.
     launches = {e["args"]["correlation"]: e for e in events
-                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+                if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
     ops: dict[object, list[dict]] = {}
     for e in events:
         if e.get("cat") == "cpu_op" and e.get("ph") == "X":

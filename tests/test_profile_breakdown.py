@@ -64,7 +64,8 @@ def test_gaps_charge_the_gpu_idle_time_to_the_host_operators_that_ended_it():
 
 def test_kernel_times_split_each_kernel_by_its_launching_operator():
     """Two steps: the same GEMM kernel launched from a forward stage twice and from a weight
-    gradient once; per step 15 µs and 1 launch from the first, 2.5 µs and 0.5 from the second."""
+    gradient once (that one through the driver API, as cuBLAS launches its kernels); per step 15 µs
+    and 1 launch from the first, 2.5 µs and 0.5 from the second."""
     from profile_breakdown import kernel_times
 
     events = [
@@ -74,7 +75,8 @@ def test_kernel_times_split_each_kernel_by_its_launching_operator():
         {"ph": "X", "cat": "cpu_op", "name": "wgrad", "ts": 150, "dur": 10, "tid": 2},
     ]
     for i, (ts, dur, tid) in enumerate([(10, 10, 1), (110, 20, 1), (155, 5, 2)]):
-        events.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1,
+        api = ("cuda_runtime", "cudaLaunchKernel") if tid == 1 else ("cuda_driver", "cuLaunchKernelEx")
+        events.append({"ph": "X", "cat": api[0], "name": api[1], "ts": ts, "dur": 1,
                        "tid": tid, "args": {"correlation": i}})
         events.append({"ph": "X", "cat": "kernel", "name": "nvjet_gemm", "ts": ts + 2, "dur": dur,
                        "args": {"correlation": i}})
