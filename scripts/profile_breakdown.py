@@ -15,7 +15,8 @@ behind the GPU, or waits on it) comes from the Chrome trace beside the summary:
 
 sums the gaps between device activity per step and names the host operators whose launches ended
 them, the largest first; `--kernels TRACE` lists the longest kernels per step, each split by the
-host operators that launched it (to line up two variants' GEMMs of the same shape).
+host operators that launched it (to line up two variants' GEMMs of the same shape), with the rate
+in TFLOP/s of those launched by a matrix product whose shapes the profile recorded (cuBLAS GEMMs).
 """
 
 from __future__ import annotations
@@ -95,9 +96,9 @@ def _device_activity(events: list[dict]) -> list[dict]:
                   key=lambda e: e["ts"])
 
 
-def _launcher_names(events: list[dict]):
-    """A function naming the host operators (cpu_op) open at the launch of a device activity, as
-    "outermost › innermost" ("(no operator)" for a bare runtime call)."""
+def _launching_ops(events: list[dict]):
+    """A function giving the host operators (cpu_op events) open at the launch of a device
+    activity, outermost first ([] for a bare runtime call or an unknown launch)."""
     # cuBLAS launches its kernels through the driver API (cuLaunchKernelEx), the rest through the runtime.
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})}
@@ -110,20 +111,48 @@ def _launcher_names(events: list[dict]):
         tid_ops.sort(key=lambda e: e["ts"])
         starts[tid] = [e["ts"] for e in tid_ops]
 
-    def launcher(activity: dict) -> str:
+    def open_ops(activity: dict) -> list[dict]:
         launch = launches.get(activity.get("args", {}).get("correlation"))
         if launch is None or launch["tid"] not in ops:
-            return "(no operator)"
+            return []
         t, tid_ops = launch["ts"], ops[launch["tid"]]
         # The operators open at the launch: the outermost is the earliest-starting one that still covers it.
         i = bisect.bisect_right(starts[launch["tid"]], t)
-        covering = [op for op in tid_ops[max(0, i - 5000):i] if op["ts"] + op["dur"] >= t]
-        if not covering:
-            return "(no operator)"
-        outer, inner = covering[0]["name"], covering[-1]["name"]
-        return outer if outer == inner else f"{outer} › {inner}"
+        return [op for op in tid_ops[max(0, i - 5000):i] if op["ts"] + op["dur"] >= t]
 
-    return launcher
+    return open_ops
+
+
+def _operator_name(covering: list[dict]) -> str:
+    """"outermost › innermost" of the operators open at a launch, "(no operator)" for none."""
+    if not covering:
+        return "(no operator)"
+    outer, inner = covering[0]["name"], covering[-1]["name"]
+    return outer if outer == inner else f"{outer} › {inner}"
+
+
+def _launcher_names(events: list[dict]):
+    """A function naming the host operators open at the launch of a device activity."""
+    open_ops = _launching_ops(events)
+    return lambda activity: _operator_name(open_ops(activity))
+
+
+# The matrix products whose FLOPs follow from their input shapes (the profiler's "Input Dims",
+# recorded by `train.profile_steps`): the index of A (.., M, K) and B (.., K, N) among the inputs.
+MATMUL_OPERANDS = {"aten::mm": (0, 1), "aten::bmm": (0, 1), "aten::_scaled_mm": (0, 1), "aten::addmm": (1, 2)}
+
+
+def matmul_flops(op: dict) -> float | None:
+    """2·(batch·)M·K·N of a matrix-product operator event with recorded shapes, else None."""
+    operands = MATMUL_OPERANDS.get(op["name"])
+    dims = op.get("args", {}).get("Input Dims")
+    if operands is None or not dims:
+        return None
+    a, b = dims[operands[0]], dims[operands[1]]
+    if len(a) < 2 or len(b) < 2:
+        return None
+    batch = a[0] if len(a) == 3 else 1
+    return 2.0 * batch * a[-2] * a[-1] * b[-1]
 
 
 def idle_gaps(trace: dict, min_gap_us: float = 5.0) -> tuple[float, int, dict[str, tuple[float, int]]]:
@@ -149,19 +178,25 @@ def idle_gaps(trace: dict, min_gap_us: float = 5.0) -> tuple[float, int, dict[st
     return idle / 1e3 / steps, steps, per_step
 
 
-def kernel_times(trace: dict) -> tuple[int, list[tuple[str, str, float, float]]]:
-    """(steps, [(kernel name, launching host operators, ms per step, launches per step)]), the
-    longest first: each kernel's time split by where it was launched from, so two variants' GEMMs
-    of the same shape line up by operator (a forward stage, a dgrad, a weight gradient)."""
+def kernel_times(trace: dict) -> tuple[int, list[tuple[str, str, float, float, float | None]]]:
+    """(steps, [(kernel name, launching host operators, ms per step, launches per step, TFLOP/s)]),
+    the longest first: each kernel's time split by where it was launched from, so two variants'
+    GEMMs of the same shape line up by operator (a forward stage, a dgrad, a weight gradient).
+    TFLOP/s where every launch came from a matrix product with recorded shapes (cuBLAS GEMMs), else
+    None."""
     events = trace["traceEvents"]
     steps = _profiled_steps(events)
-    launcher = _launcher_names(events)
-    totals: dict[tuple[str, str], tuple[float, int]] = {}
+    open_ops = _launching_ops(events)
+    totals: dict[tuple[str, str], tuple[float, int, float | None]] = {}
     for activity in _device_activity(events):
-        key = (activity["name"], launcher(activity))
-        us, count = totals.get(key, (0.0, 0))
-        totals[key] = (us + activity["dur"], count + 1)
-    rows = [(name, op, us / 1e3 / steps, count / steps) for (name, op), (us, count) in totals.items()]
+        covering = open_ops(activity)
+        key = (activity["name"], _operator_name(covering))
+        flops = matmul_flops(covering[-1]) if covering else None
+        us, count, row_flops = totals.get(key, (0.0, 0, 0.0))
+        totals[key] = (us + activity["dur"], count + 1,
+                       None if row_flops is None or flops is None else row_flops + flops)
+    rows = [(name, op, us / 1e3 / steps, count / steps, None if flops is None else flops / us / 1e6)
+            for (name, op), (us, count, flops) in totals.items()]
     return steps, sorted(rows, key=lambda row: -row[2])
 
 
@@ -186,9 +221,12 @@ def main() -> None:
     args = parser.parse_args()
     for path in args.kernels:
         steps, rows = _analyse_trace(path, kernel_times)
-        print(f"{path} ({steps} steps): the longest kernels, ms and launches per step")
-        for name, op, ms, count in rows[: args.top]:
-            print(f"  {ms:8.2f} ms  {count:7.1f}  {family_of(name)[:24]:24s}  {name[:90]}  <- {op[:80]}")
+        print(f"{path} ({steps} steps): the longest kernels, ms and launches per step, TFLOP/s of "
+              "matrix products")
+        for name, op, ms, count, tflops in rows[: args.top]:
+            rate = f"{tflops:6.0f}" if tflops is not None else " " * 6
+            family = family_of(name)[:24]
+            print(f"  {ms:8.2f} ms  {count:7.1f}  {rate}  {family:24s}  {name[:90]}  <- {op[:80]}")
     for path in args.gaps:
         idle, steps, by_op = _analyse_trace(path, idle_gaps)
         print(f"{path} ({steps} steps): GPU idle {idle:.2f} ms per step, in gaps ended by launches from")

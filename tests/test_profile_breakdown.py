@@ -64,8 +64,9 @@ def test_gaps_charge_the_gpu_idle_time_to_the_host_operators_that_ended_it():
 
 def test_kernel_times_split_each_kernel_by_its_launching_operator():
     """Two steps: the same GEMM kernel launched from a forward stage twice and from a weight
-    gradient once (that one through the driver API, as cuBLAS launches its kernels); per step 15 µs
-    and 1 launch from the first, 2.5 µs and 0.5 from the second."""
+    gradient once (that one through the driver API, as cuBLAS launches its kernels, by an aten::mm
+    of recorded shapes); per step 15 µs and 1 launch from the first, 2.5 µs and 0.5 from the
+    second, which runs 2·64·32·16 FLOP in 5 µs: 0.0131072 TFLOP/s."""
     from profile_breakdown import kernel_times
 
     events = [
@@ -73,6 +74,8 @@ def test_kernel_times_split_each_kernel_by_its_launching_operator():
         {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#2", "ts": 100, "dur": 100},
         {"ph": "X", "cat": "cpu_op", "name": "F3", "ts": 0, "dur": 200, "tid": 1},
         {"ph": "X", "cat": "cpu_op", "name": "wgrad", "ts": 150, "dur": 10, "tid": 2},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 154, "dur": 3, "tid": 2,
+         "args": {"Input Dims": [[64, 32], [32, 16]]}},
     ]
     for i, (ts, dur, tid) in enumerate([(10, 10, 1), (110, 20, 1), (155, 5, 2)]):
         api = ("cuda_runtime", "cudaLaunchKernel") if tid == 1 else ("cuda_driver", "cuLaunchKernelEx")
@@ -82,5 +85,19 @@ def test_kernel_times_split_each_kernel_by_its_launching_operator():
                        "args": {"correlation": i}})
     steps, rows = kernel_times({"traceEvents": events})
     assert steps == 2
-    assert rows == [("nvjet_gemm", "F3", pytest.approx(0.015), 1.0),
-                    ("nvjet_gemm", "wgrad", pytest.approx(0.0025), 0.5)]
+    assert rows == [("nvjet_gemm", "F3", pytest.approx(0.015), 1.0, None),
+                    ("nvjet_gemm", "wgrad › aten::mm", pytest.approx(0.0025), 0.5, pytest.approx(0.0131072))]
+
+
+@pytest.mark.parametrize(("name", "dims", "flops"), [
+    ("aten::mm", [[8, 4], [4, 2]], 128),
+    ("aten::addmm", [[2], [8, 4], [4, 2], [], []], 128),
+    ("aten::bmm", [[3, 8, 4], [3, 4, 2]], 384),
+    ("aten::_scaled_mm", [[8, 4], [4, 2], [], []], 128),
+    ("aten::mm", None, None),  # a profile without shapes
+    ("aten::add", [[8, 4], [8, 4]], None),
+])
+def test_matmul_flops_from_the_recorded_shapes(name, dims, flops):
+    from profile_breakdown import matmul_flops
+
+    assert matmul_flops({"name": name, "args": {} if dims is None else {"Input Dims": dims}}) == flops

@@ -28,8 +28,10 @@ class StepProfiler:
             if self.on_gpu and skip == 0:
                 self._record_memory()
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.on_gpu else [])
+            # Shapes let scripts/profile_breakdown.py rate each cuBLAS GEMM in TFLOP/s.
             self.profiler = profile(
                 activities=activities,
+                record_shapes=True,
                 schedule=schedule(wait=skip, warmup=1, active=steps, repeat=1),
                 on_trace_ready=self._write,
             )
