@@ -336,14 +336,14 @@ def fwd_bwd_fns(
         return run
 
     # The floor: the layer's GEMMs alone (forward, dgrad and wgrad of each weight) and attention.
-    qkv_split = x.qkv.view(b, t, -1, c.head_dim).detach().requires_grad_()
+    qkv_heads = x.qkv.view(b, t, -1, c.head_dim).detach().requires_grad_()
     dattn = randn(b, t, c.n_heads, c.head_dim)
     d_o, d_pre = randn(m, c.dim), randn(m, 2 * c.ffn_dim)
 
     def floor() -> None:
         torch.mm(x.h, x.w_qkv.t())
-        attention(qkv_split, c.n_kv_heads).backward(dattn)
-        qkv_split.grad = None
+        attention(qkv_heads, c.n_kv_heads).backward(dattn)
+        qkv_heads.grad = None
         torch.mm(x.attn_out, x.w_o.t())
         torch.mm(x.h, x.w_gu.t())
         torch.mm(x.y, x.w_down.t())

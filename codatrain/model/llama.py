@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from codatrain.kernels.attention import Documents, document_attention, forward_documents
+from codatrain.kernels.attention import Documents, document_attention, forward_documents, split_heads
 from codatrain.kernels.stages import IGNORE_INDEX, Rope, rope_inv_freq
 from codatrain.model.config import LlamaConfig
 from codatrain.model.init import init_canonical_weights
@@ -98,9 +98,7 @@ class Attention(nn.Module):
         cache: LayerCache | None = None,
     ) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = self.qkv_proj(x).view(B, T, -1, self.head_dim).split(
-            [self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2
-        )
+        q, k, v = split_heads(self.qkv_proj(x).view(B, T, -1, self.head_dim), self.n_kv_heads)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
