@@ -16,7 +16,8 @@ behind the GPU, or waits on it) comes from the Chrome trace beside the summary:
 sums the gaps between device activity per step and names the host operators whose launches ended
 them, the largest first; `--kernels TRACE` lists the longest kernels per step, each split by the
 host operators that launched it (to line up two variants' GEMMs of the same shape), with the rate
-in TFLOP/s of those launched by a matrix product whose shapes the profile recorded (cuBLAS GEMMs).
+in TFLOP/s of those launched by a matrix product whose shapes the profile recorded (cuBLAS GEMMs)
+and the share of each kernel's time during which another stream's kernels or copies ran.
 """
 
 from __future__ import annotations
@@ -178,25 +179,50 @@ def idle_gaps(trace: dict, min_gap_us: float = 5.0) -> tuple[float, int, dict[st
     return idle / 1e3 / steps, steps, per_step
 
 
-def kernel_times(trace: dict) -> tuple[int, list[tuple[str, str, float, float, float | None]]]:
-    """(steps, [(kernel name, launching host operators, ms per step, launches per step, TFLOP/s)]),
-    the longest first: each kernel's time split by where it was launched from, so two variants'
-    GEMMs of the same shape line up by operator (a forward stage, a dgrad, a weight gradient).
-    TFLOP/s where every launch came from a matrix product with recorded shapes (cuBLAS GEMMs), else
-    None."""
+def _overlapped_us(device: list[dict]) -> list[float]:
+    """For each device activity (sorted by start), the µs of it during which activity of another
+    stream ran (any number of them counted once): a kernel slower in a step than alone may have
+    been sharing the GPU."""
+    longest = max((a["dur"] for a in device), default=0.0)
+    starts = [a["ts"] for a in device]
+    overlapped = []
+    for activity in device:
+        start, end, stream = activity["ts"], activity["ts"] + activity["dur"], activity["args"].get("stream")
+        # Candidates start before this one ends and no more than the longest duration before it.
+        lo, hi = bisect.bisect_left(starts, start - longest), bisect.bisect_left(starts, end)
+        spans = sorted((max(start, other["ts"]), min(end, other["ts"] + other["dur"]))
+                       for other in device[lo:hi] if other["args"].get("stream") != stream)
+        covered, reached = 0.0, start
+        for span_start, span_end in spans:
+            if span_end > reached:
+                covered += span_end - max(span_start, reached)
+                reached = span_end
+        overlapped.append(covered)
+    return overlapped
+
+
+def kernel_times(trace: dict) -> tuple[int, list[tuple[str, str, float, float, float | None, float]]]:
+    """(steps, [(kernel name, launching host operators, ms per step, launches per step, TFLOP/s,
+    overlapped share)]), the longest first: each kernel's time split by where it was launched from,
+    so two variants' GEMMs of the same shape line up by operator (a forward stage, a dgrad, a weight
+    gradient). TFLOP/s where every launch came from a matrix product with recorded shapes (cuBLAS
+    GEMMs), else None; the overlapped share is the fraction of its time another stream ran."""
     events = trace["traceEvents"]
     steps = _profiled_steps(events)
     open_ops = _launching_ops(events)
-    totals: dict[tuple[str, str], tuple[float, int, float | None]] = {}
-    for activity in _device_activity(events):
+    device = _device_activity(events)
+    totals: dict[tuple[str, str], tuple[float, int, float | None, float]] = {}
+    for activity, overlapped in zip(device, _overlapped_us(device), strict=True):
         covering = open_ops(activity)
         key = (activity["name"], _operator_name(covering))
         flops = matmul_flops(covering[-1]) if covering else None
-        us, count, row_flops = totals.get(key, (0.0, 0, 0.0))
+        us, count, row_flops, row_overlapped = totals.get(key, (0.0, 0, 0.0, 0.0))
         totals[key] = (us + activity["dur"], count + 1,
-                       None if row_flops is None or flops is None else row_flops + flops)
-    rows = [(name, op, us / 1e3 / steps, count / steps, None if flops is None else flops / us / 1e6)
-            for (name, op), (us, count, flops) in totals.items()]
+                       None if row_flops is None or flops is None else row_flops + flops,
+                       row_overlapped + overlapped)
+    rows = [(name, op, us / 1e3 / steps, count / steps, None if flops is None else flops / us / 1e6,
+             overlapped / us if us else 0.0)
+            for (name, op), (us, count, flops, overlapped) in totals.items()]
     return steps, sorted(rows, key=lambda row: -row[2])
 
 
@@ -222,11 +248,12 @@ def main() -> None:
     for path in args.kernels:
         steps, rows = _analyse_trace(path, kernel_times)
         print(f"{path} ({steps} steps): the longest kernels, ms and launches per step, TFLOP/s of "
-              "matrix products")
-        for name, op, ms, count, tflops in rows[: args.top]:
+              "matrix products, % of the time another stream ran")
+        for name, op, ms, count, tflops, overlapped in rows[: args.top]:
             rate = f"{tflops:6.0f}" if tflops is not None else " " * 6
             family = family_of(name)[:24]
-            print(f"  {ms:8.2f} ms  {count:7.1f}  {rate}  {family:24s}  {name[:90]}  <- {op[:80]}")
+            print(f"  {ms:8.2f} ms  {count:7.1f}  {rate}  {100 * overlapped:4.0f}%  {family:24s}  {name[:90]}"
+                  f"  <- {op[:80]}")
     for path in args.gaps:
         idle, steps, by_op = _analyse_trace(path, idle_gaps)
         print(f"{path} ({steps} steps): GPU idle {idle:.2f} ms per step, in gaps ended by launches from")

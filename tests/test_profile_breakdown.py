@@ -85,19 +85,26 @@ def test_kernel_times_split_each_kernel_by_its_launching_operator():
                        "args": {"correlation": i}})
     steps, rows = kernel_times({"traceEvents": events})
     assert steps == 2
-    assert rows == [("nvjet_gemm", "F3", pytest.approx(0.015), 1.0, None),
-                    ("nvjet_gemm", "wgrad › aten::mm", pytest.approx(0.0025), 0.5, pytest.approx(0.0131072))]
+    wgrad_rate = pytest.approx(0.0131072)
+    assert rows == [("nvjet_gemm", "F3", pytest.approx(0.015), 1.0, None, 0.0),
+                    ("nvjet_gemm", "wgrad › aten::mm", pytest.approx(0.0025), 0.5, wgrad_rate, 0.0)]
 
 
-@pytest.mark.parametrize(("name", "dims", "flops"), [
-    ("aten::mm", [[8, 4], [4, 2]], 128),
-    ("aten::addmm", [[2], [8, 4], [4, 2], [], []], 128),
-    ("aten::bmm", [[3, 8, 4], [3, 4, 2]], 384),
-    ("aten::_scaled_mm", [[8, 4], [4, 2], [], []], 128),
-    ("aten::mm", None, None),  # a profile without shapes
-    ("aten::add", [[8, 4], [8, 4]], None),
-])
-def test_matmul_flops_from_the_recorded_shapes(name, dims, flops):
-    from profile_breakdown import matmul_flops
+def test_kernel_times_share_of_each_kernel_that_other_streams_overlap():
+    """One step: GEMMs on stream 7 at 0–100 and 150–250 µs, a copy on stream 25 at 60–140 and a
+    long copy on stream 26 at −10–190. The GEMMs are overlapped 100 + 40 of their 200 µs; the copy
+    all 80 of its µs (by a GEMM and the long copy at once, counted once); the long copy 0–140 and
+    150–190, 180 of its 200."""
+    from profile_breakdown import kernel_times
 
-    assert matmul_flops({"name": name, "args": {} if dims is None else {"Input Dims": dims}}) == flops
+    def activity(name, ts, dur, stream):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "ts": -10, "dur": 400},
+        activity("gemm", 0, 100, 7), activity("gemm", 150, 100, 7),
+        activity("copy", 60, 80, 25), activity("long copy", -10, 200, 26),
+    ]
+    _, rows = kernel_times({"traceEvents": events})
+    share = {name: overlapped for name, _, _, _, _, overlapped in rows}
+    assert share == {"gemm": pytest.approx(0.7), "copy": pytest.approx(1.0), "long copy": pytest.approx(0.9)}
