@@ -108,3 +108,17 @@ def test_kernel_times_share_of_each_kernel_that_other_streams_overlap():
     _, rows = kernel_times({"traceEvents": events})
     share = {name: overlapped for name, _, _, _, _, overlapped in rows}
     assert share == {"gemm": pytest.approx(0.7), "copy": pytest.approx(1.0), "long copy": pytest.approx(0.9)}
+
+
+@pytest.mark.parametrize(("name", "dims", "flops"), [
+    ("aten::mm", [[8, 4], [4, 2]], 128),
+    ("aten::addmm", [[2], [8, 4], [4, 2], [], []], 128),
+    ("aten::bmm", [[3, 8, 4], [3, 4, 2]], 384),
+    ("aten::_scaled_mm", [[8, 4], [4, 2], [], []], 128),
+    ("aten::mm", None, None),  # a profile without shapes
+    ("aten::add", [[8, 4], [8, 4]], None),
+])
+def test_matmul_flops_from_the_recorded_shapes(name, dims, flops):
+    from profile_breakdown import matmul_flops
+
+    assert matmul_flops({"name": name, "args": {} if dims is None else {"Input Dims": dims}}) == flops
