@@ -97,9 +97,10 @@ def test_a_killed_process_restarts_the_job_from_its_last_checkpoint(tmp_path):
     finish(agents)
 
     log = (run_dir / "train.log").read_text()
-    restart = re.search(r"^restart: attempt 1 \(4 processes\) ended early: rank 3 \(pid \d+ on .+?\) died "
-                        r"without a trace after step (\d+), by [-\d]+ [:\d]+ UTC \(killed: .*\); the first "
-                        r"error: rank [012] at .+?: .*; resuming from step (\d+)$", log, re.M)
+    # Rank 3 alone died; a rank its agent stopped while stuck in a collective with it is named apart.
+    restart = re.search(r"^restart: attempt 1 \(4 processes\) ended early: rank 3 \(pid \d+ on [^)]+\) died "
+                        r"without a trace after step (\d+), by [-\d]+ [:\d]+ UTC \(killed: [^)]*\); "
+                        r"the first error: rank [012] at .+?: .*; resuming from step (\d+)$", log, re.M)
     assert restart, log
     # Killed before it wrote its files, rank 3 leaves step 15 unpublished and the job resumes from
     # step 10; killed after (the save is short), step 15 is complete and the job resumes from it.
@@ -116,8 +117,9 @@ def test_a_killed_process_restarts_the_job_from_its_last_checkpoint(tmp_path):
 
 
 def test_the_report_names_the_silent_rank_and_nothing_after_a_finished_attempt(tmp_path):
-    def write(folder, rank, **end):
-        record = {"rank": rank, "world_size": 2, "host": "node-b", "pid": 100 + rank, "started": 0.0, **end}
+    def write(folder, rank, world_size=2, host="node-b", **end):
+        record = {"rank": rank, "world_size": world_size, "host": host, "pid": 100 + rank, "started": 0.0,
+                  **end}
         (folder / f"rank_{rank:05d}.json").write_text(json.dumps(record))
 
     finished = tmp_path / "1"
@@ -133,3 +135,84 @@ def test_the_report_names_the_silent_rank_and_nothing_after_a_finished_attempt(t
         "attempt 2 (2 processes) ended early: rank 1 (pid 101 on node-b) died without a trace after "
         "step 9, by 1970-01-01 00:01:00 UTC (killed: SIGKILL, the OOM killer or a lost node); the first "
         "error: rank 0 at 1970-01-01 00:01:00 UTC: RuntimeError: peer")
+    # Ranks stuck in a collective with the dead one when their agent stopped them: named apart, by
+    # where they were; with no error recorded, their signal dates the death.
+    stuck = tmp_path / "3"
+    stuck.mkdir()
+    write(stuck, 0, world_size=3)
+    for rank in (1, 2):
+        write(stuck, rank, world_size=3, host="node-a",
+              signalled={"signal": "SIGTERM", "at": 50.0 + rank, "step": 9, "where": "wait (c10d.py:7)"})
+    assert describe_attempt(stuck) == (
+        "attempt 3 (3 processes) ended early: rank 0 (pid 100 on node-b) died without a trace after "
+        "step 9, by 1970-01-01 00:00:51 UTC (killed: SIGKILL, the OOM killer or a lost node); rank 1 (pid "
+        "101 on node-a), rank 2 (pid 102 on node-a) did not end after SIGTERM (killed after it), stuck in "
+        "wait (c10d.py:7)")
+
+
+def test_a_rank_stuck_when_the_agent_stops_it_is_reported_stuck_not_dead(tmp_path):
+    """A rank blocked in a collective whose peer died gets torchrun's SIGTERM and, 30 s later, its
+    SIGKILL: no Python handler runs in between. Its record still says it was signalled, where it was
+    stuck and after which step, so the report does not count it among the dead."""
+    child = subprocess.Popen([sys.executable, "-c", STUCK_RANK, str(tmp_path)], stdout=subprocess.PIPE,
+                             text=True)
+    assert child.stdout.readline() == "blocked\n"
+    record = tmp_path / "attempts" / "1" / "rank_00000.json"
+    os.kill(child.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while "signalled" not in record.read_text():
+        assert time.monotonic() < deadline and child.poll() is None, record.read_text()
+        time.sleep(0.01)
+    assert child.poll() is None  # still blocked, as under torchrun until the SIGKILL
+    child.kill()
+    child.wait()
+    report = describe_attempt(tmp_path / "attempts" / "1")
+    assert re.fullmatch(rf"attempt 1 \(1 process\) ended early: rank 0 \(pid {child.pid} on .+\) did not "
+                        r"end after SIGTERM \(killed after it\), stuck in "
+                        r"wait_for_the_dead_peer \(<string>:\d+\)", report), report
+    assert json.loads(record.read_text())["signalled"]["step"] == 7
+
+
+def test_a_rank_that_ends_after_a_signal_reports_its_end(tmp_path):
+    child = subprocess.run([sys.executable, "-c", SIGNALLED_THEN_ENDED, str(tmp_path)], capture_output=True,
+                           text=True, timeout=120)
+    assert child.returncode == 0, child.stderr
+    record = json.loads((tmp_path / "attempts" / "1" / "rank_00000.json").read_text())
+    assert "signalled" not in record and record["step"] == 8 and record["error"] is None
+    assert describe_attempt(tmp_path / "attempts" / "1") is None
+
+
+# A rank under StopSignals (what fit() runs under) blocked in a call that never returns.
+STUCK_RANK = """
+import os, sys, torch
+from codatrain.train.attempts import Attempt
+from codatrain.train.distributed import DistInfo
+from codatrain.train.stopping import StopSignals
+
+def wait_for_the_dead_peer():
+    never_written, _ = os.pipe()
+    print("blocked", flush=True)
+    os.read(never_written, 1)
+
+attempt = Attempt(sys.argv[1], DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
+with attempt.record_signals(lambda: 7), StopSignals(torch.device("cpu")):
+    wait_for_the_dead_peer()
+"""
+
+SIGNALLED_THEN_ENDED = """
+import os, signal, sys, time, json, torch
+from pathlib import Path
+from codatrain.train.attempts import Attempt
+from codatrain.train.distributed import DistInfo
+from codatrain.train.stopping import StopSignals
+
+attempt = Attempt(sys.argv[1], DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
+with attempt.record_signals(lambda: 8), StopSignals(torch.device("cpu")) as stop:
+    os.kill(os.getpid(), signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while "signalled" not in attempt.file.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert stop.agreed() == "SIGTERM"
+attempt.end(8, None)
+"""

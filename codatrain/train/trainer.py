@@ -439,11 +439,12 @@ def train(cfg: DictConfig) -> TrainResult:
         with RunDirLock(run.train.run_dir, dist_info.is_main), sigterm_raises():
             attempt, trainer = Attempt(run.train.run_dir, dist_info), None
             try:
-                trainer = Trainer(run, dist_info)
-                if attempt.previous:  # a restart after a process died, or a relaunch after a failure
-                    trainer.logger.info(f"restart: {attempt.previous}; resuming from step {trainer.step}")
-                result = trainer.fit()
-                barrier()  # no rank tears the process group down while another still talks to it
+                with attempt.record_signals(lambda: trainer.step if trainer else 0):
+                    trainer = Trainer(run, dist_info)
+                    if attempt.previous:  # a restart after a process died, or a relaunch after a failure
+                        trainer.logger.info(f"restart: {attempt.previous}; resuming from step {trainer.step}")
+                    result = trainer.fit()
+                    barrier()  # no rank tears the process group down while another still talks to it
             except BaseException as error:
                 attempt.end(trainer.step if trainer else 0, error)
                 raise
