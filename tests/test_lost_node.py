@@ -173,7 +173,7 @@ def test_a_rank_stuck_when_the_agent_stops_it_is_reported_stuck_not_dead(tmp_pat
     assert json.loads(record.read_text())["signalled"]["step"] == 7
 
 
-def test_a_rank_that_ends_after_a_signal_reports_its_end(tmp_path):
+def test_a_rank_that_ends_after_a_signal_reports_its_end_and_not_its_forked_workers_signals(tmp_path):
     child = subprocess.run([sys.executable, "-c", SIGNALLED_THEN_ENDED, str(tmp_path)], capture_output=True,
                            text=True, timeout=120)
     assert child.returncode == 0, child.stderr
@@ -208,6 +208,13 @@ from codatrain.train.stopping import StopSignals
 
 attempt = Attempt(sys.argv[1], DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
 with attempt.record_signals(lambda: 8), StopSignals(torch.device("cpu")) as stop:
+    worker = os.fork()  # as a DataLoader worker is: it inherits the handlers
+    if worker == 0:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os._exit(0)
+    os.waitpid(worker, 0)
+    time.sleep(0.5)  # the watcher reads a byte in microseconds
+    assert "signalled" not in attempt.file.read_text(), "the worker's signal recorded as this rank's"
     os.kill(os.getpid(), signal.SIGTERM)
     deadline = time.monotonic() + 60
     while "signalled" not in attempt.file.read_text():

@@ -91,6 +91,21 @@ def _where(frame: Any) -> str:
     return place(frame) if ours is None or ours is frame else f"{place(frame)}, from {place(ours)}"
 
 
+_signal_pipes: set[int] = set()  # the write ends of the record_signals blocks running now
+
+
+def _no_wakeup_fd_in_a_forked_child() -> None:
+    """A forked child (a DataLoader worker) inherits the wakeup fd: the signals it gets would be
+    recorded as this rank's."""
+    with contextlib.suppress(ValueError):  # forked from a thread other than the main one
+        previous = signal.set_wakeup_fd(-1)
+        if previous not in _signal_pipes:
+            signal.set_wakeup_fd(previous)
+
+
+os.register_at_fork(after_in_child=_no_wakeup_fd_in_a_forked_child)
+
+
 def _outside_handler(frame: Any, signum: int) -> Any:
     """The frame the main thread was in when the signal came: where its Python handler (which may be
     running now, when the main thread was not blocked in C) was called from."""
@@ -152,6 +167,7 @@ class Attempt:
         read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)  # the C signal handler must never block on it
         previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        _signal_pipes.add(write_fd)
         watcher = threading.Thread(target=self._watch, args=(read_fd, last_step), daemon=True,
                                    name="codatrain-signal-record")
         watcher.start()
@@ -159,6 +175,7 @@ class Attempt:
             yield
         finally:
             signal.set_wakeup_fd(previous_fd)
+            _signal_pipes.discard(write_fd)
             os.write(write_fd, b"\0")  # not a signal number: the watcher returns
             watcher.join()
             os.close(read_fd)
