@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F_nn
 from torch.overrides import TorchFunctionMode
 
+from codatrain.config import AttentionChoice, BlockImpl, StageBackendChoice
 from codatrain.kernels.attention import get_attention, sdpa_attention
 from codatrain.kernels.reference import ReferenceStages
 from codatrain.kernels.resolve import ResolvedBlock, resolve_block
@@ -373,6 +374,9 @@ def test_auto_is_resolved_once_per_device():
     # Explicit names that cannot run on the device are refused here; the eager block runs no CODA kernels.
     with pytest.raises(BackendUnavailableError, match="'cute' cannot run on cpu"):
         resolve_block("coda", "cute", "sdpa", cpu)
+    # The config's choices (StrEnums) are named by value, as the user wrote them.
+    with pytest.raises(BackendUnavailableError, match=r"^stage backend 'cute' cannot run on cpu"):
+        resolve_block(BlockImpl.coda, StageBackendChoice.cute, AttentionChoice.sdpa, cpu)
     with pytest.raises(BackendUnavailableError, match="'fa4' needs an sm_90 GPU, not cpu"):
         resolve_block("coda", "reference", "fa4", cpu)
     eager = resolve_block("eager", "auto", "auto", None)

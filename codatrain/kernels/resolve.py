@@ -122,6 +122,7 @@ def resolve_block(impl: str, backend: str, attention: str, device: torch.device 
     `device` None stands for the precompile target, an sm_90 GPU with the cuda extras installed:
     ``auto`` then means the CuTeDSL kernels, nothing is imported and no kernel object is returned.
     """
+    impl, backend, attention = str(impl), str(backend), str(attention)  # a config's StrEnums, by value
     if impl != "coda":
         return ResolvedBlock(impl, None, None)
     if attention == "auto" and head_dim is not None and head_dim not in FA4_HEAD_DIMS:
