@@ -184,6 +184,16 @@ class OptimConfig:
     decay_fraction: float = 0.2  # wsd: share of steps spent in the final decay
     grad_clip: float = 1.0  # the gradient norm is clipped to this; <= 0 disables clipping
 
+    def __post_init__(self) -> None:
+        require_positive(self, "optim", "lr", "eps")
+        require_not_negative(self, "optim", "weight_decay", "warmup_steps")
+        for name, low, high in (("min_lr_ratio", 0, 1), ("decay_fraction", 0, 1)):
+            if not low <= getattr(self, name) <= high:
+                raise ValueError(f"optim.{name} must lie in [{low}, {high}], got {getattr(self, name)}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"optim.{name} must lie in [0, 1), got {getattr(self, name)}")
+
 
 @dataclass
 class TrainConfig:

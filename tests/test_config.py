@@ -59,6 +59,12 @@ def test_bad_override_names_the_key(override, named):
     ("data.seq_len=0", "data.seq_len"),
     ("model.n_layers=0", "model.n_layers"),
     ("model.n_heads=3", "model.n_heads"),
+    ("optim.lr=-1", "optim.lr must be positive"),
+    ("optim.warmup_steps=-5", "optim.warmup_steps"),
+    ("optim.min_lr_ratio=2", r"optim.min_lr_ratio must lie in \[0, 1\]"),
+    ("optim.decay_fraction=1.5", "optim.decay_fraction"),
+    ("optim.beta2=1", r"optim.beta2 must lie in \[0, 1\)"),
+    ("optim.weight_decay=-0.1", "optim.weight_decay"),
 ])
 def test_bad_values_name_the_key(override, named):
     with pytest.raises(ValueError, match=named):
