@@ -215,6 +215,9 @@ def test_script_on_a_training_checkpoint_and_its_hf_export(tmp_path, capsys):
 
     assert script.main([str(tmp_path / "missing"), *argv]) == 1
     assert "error:" in capsys.readouterr().err
+    # The run directory for one of its checkpoints: named as such, with the newest.
+    assert script.main([str(tmp_path / "run"), *argv]) == 1
+    assert f"holds checkpoints: pass one, e.g. the newest, {checkpoint}\n" in capsys.readouterr().err
 
 
 def test_tokenizers_decode_what_they_encode(tmp_path):

@@ -10,7 +10,7 @@ from safetensors import safe_open
 from codatrain.config import CheckpointConfig
 from codatrain.model import Llama, get_preset
 from codatrain.train import hf_io
-from codatrain.train.checkpoint import inspect_checkpoint
+from codatrain.train.checkpoint import CheckpointError, inspect_checkpoint
 from codatrain.train.checkpointer import Checkpointer
 
 CFG = get_preset("tiny").replace(n_layers=1, vocab_size=96)
@@ -77,3 +77,22 @@ def test_an_export_goes_into_an_existing_directory_but_not_onto_a_file(tmp_path)
             hf_io.export_checkpoint_to_hf(step_1, out)
     (tmp_path / "elsewhere/checkpoints").mkdir(parents=True)  # named so, but not this checkpoint's
     hf_io.export_checkpoint_to_hf(step_1, tmp_path / "elsewhere/checkpoints/hf")
+
+
+def test_a_run_directory_given_for_a_checkpoint_is_named_with_its_newest_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    for step, saved in ((3, True), (8, False), (5, True)):  # step 8: a save cut short
+        (run / "checkpoints" / f"step_{step}").mkdir(parents=True)
+        if saved:
+            (run / "checkpoints" / f"step_{step}" / "checkpoint.json").write_text("{}")
+    newest = f"holds checkpoints: pass one, e.g. the newest, {run / 'checkpoints' / 'step_5'}$"
+    for folder in (run, run / "checkpoints"):
+        with pytest.raises(CheckpointError, match=newest):  # export
+            inspect_checkpoint(folder)
+        with pytest.raises(FileNotFoundError, match=newest):  # generation, model=hf
+            hf_io.saved_architecture(folder)
+        with pytest.raises(FileNotFoundError, match=newest):  # init_from
+            hf_io.load_hf_weights(Llama(CFG), folder, CFG, log=print)
+    # A folder with neither weights nor checkpoints keeps its own message.
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        hf_io.saved_architecture(tmp_path / "run" / "checkpoints" / "step_8")

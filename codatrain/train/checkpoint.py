@@ -224,7 +224,8 @@ def inspect_checkpoint(path: str | os.PathLike, verify: bool = True,
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint directory")
     if not (path / MANIFEST).is_file():
-        raise CheckpointError(f"{path}: no {MANIFEST} (an interrupted save, or not a checkpoint)")
+        raise CheckpointError(not_a_checkpoint_hint(path) or
+                              f"{path}: no {MANIFEST} (an interrupted save, or not a checkpoint)")
     try:
         manifest = json.loads((path / MANIFEST).read_text())
     except ValueError as error:
@@ -282,6 +283,17 @@ def checkpoint_dirs(root: str | os.PathLike) -> list[tuple[int, Path]]:
     matches = [(_STEP_DIR.fullmatch(p.name), p) for p in root.iterdir() if p.is_dir()]
     found = [(int(m.group(1)), p) for m, p in matches if m]
     return sorted(found, reverse=True)
+
+
+def not_a_checkpoint_hint(path: str | os.PathLike) -> str | None:
+    """For a run directory or its checkpoints folder given where one checkpoint is wanted
+    (`init_from`, export, generation): a message naming the newest saved checkpoint inside it."""
+    path = Path(path)
+    for root in (path, path / CHECKPOINTS_DIR):
+        saved = [p for _, p in checkpoint_dirs(root) if (p / MANIFEST).is_file()]
+        if saved:
+            return f"{path} is not a checkpoint but holds checkpoints: pass one, e.g. the newest, {saved[0]}"
+    return None
 
 
 def latest_checkpoint(root: str | os.PathLike, log: Log) -> Path | None:

@@ -25,6 +25,7 @@ from codatrain.train.checkpoint import (
     checkpoint_tokenizer,
     inspect_checkpoint,
     load_model_weights,
+    not_a_checkpoint_hint,
 )
 from codatrain.train.checkpoint_files import checkpoint_reader, dcp_load
 
@@ -34,12 +35,19 @@ def is_checkpoint(path: str | os.PathLike) -> bool:
     return (Path(path) / MANIFEST).is_file()
 
 
+def hf_checkpoint(path: str | os.PathLike) -> HFCheckpoint:
+    """HF weights at `path`; a run directory given instead is named as one, with its checkpoints."""
+    if (hint := not_a_checkpoint_hint(path)) is not None:
+        raise FileNotFoundError(hint)
+    return HFCheckpoint(path)
+
+
 def saved_architecture(path: str | os.PathLike) -> LlamaConfig:
     """The model config saved with weights: a codatrain checkpoint's manifest, or an HF folder's
     config.json (a bare .safetensors file has none: ValueError)."""
     if is_checkpoint(path):
         return LlamaConfig(**inspect_checkpoint(path, verify=False)["model_config"])
-    config = HFCheckpoint(path).config
+    config = hf_checkpoint(path).config
     if config is None:
         raise ValueError(f"{path} has no config.json to take the architecture from")
     return config_from_hf(config)
@@ -95,7 +103,7 @@ def load_hf_weights(model: CanonicalModel, path: str | os.PathLike, model_cfg: L
                     log: Callable[[str], None]) -> None:
     """Load HF Llama weights (a directory or a .safetensors file) into `model`, which may be
     wrapped and FSDP2-sharded; ValueError on a config or shape mismatch (nothing is loaded then)."""
-    ckpt = HFCheckpoint(path)
+    ckpt = hf_checkpoint(path)
     if ckpt.config is not None:
         model_cfg.check_architecture(config_from_hf(ckpt.config), f"init_from={path}")
     mapping = CanonicalMapping(model)
