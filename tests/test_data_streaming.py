@@ -374,6 +374,40 @@ def test_a_killed_streaming_run_leaves_no_workers_and_resumes(tmp_path):
     assert list(resumed.losses) == [3]
 
 
+# A crash in the second training step (an out-of-memory error, say): the workers are alive.
+CRASHING_STEP = """
+import runpy, sys
+from codatrain.train.trainer import Trainer
+first_step = Trainer.train_step
+def train_step(self, batches):
+    if self.step == 1:
+        raise RuntimeError("out of memory (a stand-in)")
+    return first_step(self, batches)
+Trainer.train_step = train_step
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("failure", ["bad row in a worker", "crashed step"])
+def test_a_run_that_fails_with_its_workers_alive_exits(tmp_path, failure):
+    """The parent used to wait at exit for its workers (alive: their iterator was held by the
+    error), and they ignore the SIGTERM multiprocessing ends them with."""
+    corpus(tmp_path / "c")
+    if failure == "bad row in a worker":
+        (tmp_path / "c" / "part1.jsonl").write_text(json.dumps({"content": "no text field"}) + "\n")
+    options = [o for o in FAST if not o.startswith(("data=", "data.num_workers"))]
+    options += ["data=files", f"data.path={tmp_path / 'c'}", "data.streaming=true", "data.num_workers=2",
+                "data.val_fraction=0", "model.n_layers=1", f"train.run_dir={tmp_path / 'run'}"]
+    prefix = [] if failure == "bad row in a worker" else ["-c", CRASHING_STEP]
+    ended = subprocess.run([sys.executable, *prefix, str(REPO / "scripts/train.py"), *options],
+                           capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert ended.returncode != 0
+    expected = "line 1 has no field 'text'" if failure == "bad row in a worker" else "out of memory"
+    assert expected in ended.stderr
+
+
 def documents_of(stream: np.ndarray) -> list[str]:
     """The whole documents ([BOS] ... [EOS]) of a byte-token stream, in order."""
     starts = np.flatnonzero(stream == BOS)

@@ -9,12 +9,20 @@ to flush at exit), and an orphaned worker holds what it inherited. On Linux ever
 kernel for SIGKILL when its parent dies (`prctl(PR_SET_PDEATHSIG)`), which holds however the
 parent ends, SIGKILL included; a worker holds no state worth a graceful stop. Elsewhere the
 DataLoader's own check of the parent is all there is.
+
+The same SIGTERM is how multiprocessing ends daemonic children when their parent exits, before it
+joins them. Workers are normally shut down by their DataLoader iterator first, but an exception
+that ends the process keeps that iterator alive (a worker's re-raised error holds it in a reference
+cycle; an uncaught one stays in `sys.last_exc`), and the parent would wait at exit forever: an exit
+hook of the parent's, run before multiprocessing's, kills the daemonic children still alive.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
+import multiprocessing
 import os
 import signal
 import sys
@@ -40,7 +48,22 @@ def _init_worker(parent: int | None, worker_id: int) -> None:
         _die_with_parent(parent, worker_id)
 
 
+def _kill_workers_left() -> None:
+    for child in multiprocessing.active_children():
+        if child.daemon:  # DataLoader workers; multiprocessing would SIGTERM them, which they ignore
+            child.kill()
+            child.join()
+
+
+@functools.cache
+def _kill_workers_left_at_exit() -> None:
+    # atexit runs its hooks last-registered first: this one before multiprocessing's, registered
+    # when it was imported.
+    atexit.register(_kill_workers_left)
+
+
 def worker_init_fn() -> Callable[[int], None]:
     """The DataLoader `worker_init_fn` of codatrain's loaders: stop signals ignored, and the
-    workers' lives tied to this process (Linux)."""
+    workers' lives tied to this process (Linux), which kills those still alive when it exits."""
+    _kill_workers_left_at_exit()
     return functools.partial(_init_worker, os.getpid() if sys.platform == "linux" else None)
