@@ -40,10 +40,10 @@ import torch
 from datasets.distributed import split_dataset_by_node
 
 from codatrain.data.packing import Batch, PackedWindows, Window, collate
-from codatrain.data.sources import Source, held_out_by_content, stream_texts
+from codatrain.data.sources import DataFileError, Source, held_out_by_content, stream_texts
 from codatrain.data.token_shards import TokenShards, frame_document
 from codatrain.data.tokenizer import load_tokenizer
-from codatrain.data.workers import worker_init_fn
+from codatrain.data.workers import raised_in_worker, worker_init_fn
 
 # Rows tokenized at once: enough for encode_batch to be efficient, few enough that the packing
 # buffer a checkpoint holds (the rest of the last chunk) stays small.
@@ -179,13 +179,16 @@ class StreamLoader:
                                              num_workers=self.num_workers,
                                              pin_memory=self.device.type == "cuda",
                                              worker_init_fn=worker_init_fn())
-        for batch, reader, state in loader:
-            if generation != self._generation:
-                raise RuntimeError(f"the {self.name} loader's state was loaded during iteration; "
-                                   "call iter() on it again")
-            self.batches += 1
-            self.states[reader] = state
-            yield batch.to(self.device)
+        try:
+            for batch, reader, state in loader:
+                if generation != self._generation:
+                    raise RuntimeError(f"the {self.name} loader's state was loaded during iteration; "
+                                       "call iter() on it again")
+                self.batches += 1
+                self.states[reader] = state
+                yield batch.to(self.device)
+        except DataFileError as error:  # a bad row (on_bad_data=fail): one line, not a worker's traceback
+            raise DataFileError(raised_in_worker(error)) from None
 
     def state_dict(self) -> dict[str, Any]:
         arrays = ("tokens", "starts", "pool", "pool_lengths")

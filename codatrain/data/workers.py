@@ -48,6 +48,18 @@ def _init_worker(parent: int | None, worker_id: int) -> None:
         _die_with_parent(parent, worker_id)
 
 
+def raised_in_worker(error: BaseException) -> str:
+    """The message of an exception a DataLoader worker raised, as the DataLoader re-raises it in
+    this process ("Caught <type> in DataLoader worker process <n>.\nOriginal Traceback ... <module>.
+    <type>: <message>"), followed by where it was raised; `str(error)` when it is not one."""
+    first, _, traceback_text = str(error).partition("\n")
+    caught = f"Caught {type(error).__name__} "
+    last_line = f"{type(error).__module__}.{type(error).__qualname__}: "
+    if not first.startswith(caught) or last_line not in traceback_text:
+        return str(error)
+    return f"{traceback_text.rsplit(last_line, 1)[1].strip()} ({first.removeprefix(caught).rstrip('.')})"
+
+
 def _kill_workers_left() -> None:
     for child in multiprocessing.active_children():
         if child.daemon:  # DataLoader workers; multiprocessing would SIGTERM them, which they ignore
