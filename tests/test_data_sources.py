@@ -4,6 +4,7 @@ import gzip
 import json
 from itertools import islice
 
+import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -12,7 +13,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from codatrain.config import DataConfig
 from codatrain.data import build_loaders, prepare_streams
-from codatrain.data.sources import Source
+from codatrain.data.sft import read_hub_records
+from codatrain.data.sources import DataFileError, Source, hub_source
 from codatrain.data.token_cache import tokenize_source
 from codatrain.data.tokenizer import ByteTokenizer
 
@@ -105,6 +107,20 @@ def test_a_stream_is_read_once_into_the_cache(tmp_path):
     parts = tokenize_source(stream, ByteTokenizer(), tmp_path / "cache", held_out_fraction=0.0)
     text = bytes(t for t in parts["train"].read(0, parts["train"].num_tokens) if t < 256).decode()
     assert text == "".join(docs()[:5])
+
+
+def test_a_hub_dataset_out_of_reach_is_one_line_naming_it(monkeypatch):
+    def unreachable(path, **kwargs):  # what datasets raises offline for a dataset not in its cache
+        raise ConnectionError(f"Couldn't reach '{path}' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    named = r"^data.path=someone/corpus: Couldn't reach 'someone/corpus' on the Hub .*HF_DATASETS_OFFLINE=1"
+    for streaming in (False, True):
+        source = hub_source("someone/corpus", None, "train", streaming, "text", None, None)
+        with pytest.raises(DataFileError, match=named):
+            source.stream() if streaming else source.read()
+    with pytest.raises(DataFileError, match=named):  # SFT examples from the Hub
+        next(read_hub_records("someone/corpus", None, "train", False, None))
 
 
 # ---- Hugging Face tokenizers -----------------------------------------------------------------------

@@ -37,13 +37,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import datasets
 import numpy as np
 import torch
 
 from codatrain.data.config import DataConfig, DataSource, SFTOverlong, SFTTemplate
 from codatrain.data.packing import Window
-from codatrain.data.sources import held_out_by_content, resolve_files
+from codatrain.data.sources import held_out_by_content, load_dataset, resolve_files
 from codatrain.data.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant")
@@ -83,7 +82,7 @@ def read_local_records(path: str) -> Iterator[tuple[str, Any]]:
 def read_hub_records(name: str, config_name: str | None, split: str, streaming: bool,
                      cache_dir: str | None) -> Iterator[tuple[str, Any]]:
     """(where, record) for every row of a Hub dataset split."""
-    rows = datasets.load_dataset(name, config_name, split=split, streaming=streaming, cache_dir=cache_dir)
+    rows = load_dataset(path=name, name=config_name, split=split, streaming=streaming, cache_dir=cache_dir)
     for index, row in enumerate(rows):
         yield f"{name}[{split}] row {index}", row
 

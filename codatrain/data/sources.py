@@ -42,6 +42,15 @@ class DataFileError(ValueError):
     row where known, and what is wrong (the train script prints it as one line)."""
 
 
+def load_dataset(**load_args: Any) -> datasets.Dataset | datasets.IterableDataset:
+    """`datasets.load_dataset`, with a Hub dataset it cannot reach as a DataFileError (one line)."""
+    try:
+        return datasets.load_dataset(**load_args)
+    except ConnectionError as exc:  # no network, or offline and not in the cache
+        raise DataFileError(f"data.path={load_args['path']}: {exc}; check the name and the network, "
+                            "or set HF_DATASETS_OFFLINE=1 to read a copy in the datasets cache") from None
+
+
 @dataclass(frozen=True)
 class Source:
     """Documents of one dataset, read through `datasets.load_dataset(**load_args)`."""
@@ -63,7 +72,7 @@ class Source:
                                  f"expected {EMBEDDED_SHA256}")
         try:
             with _builder_errors_unlogged(self.load_args["path"]):
-                ds = datasets.load_dataset(**self.load_args)
+                ds = load_dataset(**self.load_args)
         except datasets.exceptions.DatasetGenerationError as exc:
             raise self._unreadable(exc) from exc
         columns = ds.column_names  # None for a stream whose features are not declared
@@ -87,7 +96,7 @@ class Source:
                             "text_column": self.text_column,
                             "sample_by": self.load_args.get("sample_by", "document")})
         else:
-            ds = datasets.load_dataset(**{**self.load_args, "streaming": True})
+            ds = load_dataset(**{**self.load_args, "streaming": True})
             if ds.column_names is not None and self.text_column not in ds.column_names:
                 raise self._missing_column(ds.column_names)
             ds = ds.map(_checked_row, fn_kwargs={"text_column": self.text_column, "location": self.location},
