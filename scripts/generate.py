@@ -15,6 +15,7 @@ plain template; it prints the reply only.
 """
 
 import argparse
+import math
 import sys
 
 import torch
@@ -55,10 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chat", action="store_true",
                         help="the prompt is a user message; print the assistant's reply (see above)")
     args = parser.parse_args(argv)
+    check_sampling(parser, args)
     try:
         check_device(args.device)
         tokenizer_spec = args.tokenizer or saved_tokenizer(args.path) or "byte"
-        tokenizer = load_tokenizer(tokenizer_spec)
+        tokenizer = load_tokenizer(tokenizer_spec,
+                                   setting="--tokenizer" if args.tokenizer else "saved with the weights")
         if args.chat:
             prompt_ids, template = generation_prompt([{"role": "user", "content": args.prompt}],
                                                      tokenizer_spec, tokenizer)
@@ -78,6 +81,16 @@ def main(argv: list[str] | None = None) -> int:
     # Decoded whole (a word tokenizer spaces the joint), or the reply alone.
     print(tokenizer.decode(tokens[len(prompt_ids):] if args.chat else tokens))
     return 0
+
+
+def check_sampling(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit with argparse's usage error for sampling settings `generate` cannot use, before any load."""
+    if args.max_new_tokens < 0:
+        parser.error(f"argument --max-new-tokens: must be 0 or more, got {args.max_new_tokens}")
+    if not 0 <= args.temperature < math.inf:
+        parser.error(f"argument --temperature: must be 0 (greedy) or positive, got {args.temperature}")
+    if not 0 <= args.top_p <= 1:
+        parser.error(f"argument --top-p: must be in [0, 1], got {args.top_p}")
 
 
 def check_device(device: str) -> None:

@@ -263,3 +263,25 @@ def test_a_device_this_machine_lacks_is_one_line(tmp_path, capsys, monkeypatch):
     assert script.main([str(tmp_path), "--device", "cuda:2"]) == 1
     assert capsys.readouterr().err == ("error: --device cuda:2: this machine has 2 CUDA device(s), cuda:0 to "
                                        "cuda:1\n")
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--max-new-tokens", "-1", "argument --max-new-tokens: must be 0 or more, got -1"),
+    ("--temperature", "-1", "argument --temperature: must be 0 (greedy) or positive, got -1.0"),
+    ("--temperature", "nan", "argument --temperature: must be 0 (greedy) or positive, got nan"),
+    ("--top-p", "1.5", "argument --top-p: must be in [0, 1], got 1.5"),
+])
+def test_sampling_settings_it_cannot_use_are_a_usage_error(tmp_path, capsys, option, value, message):
+    script = load_script()
+    with pytest.raises(SystemExit) as exit_:
+        script.main([str(tmp_path / "not-loaded"), option, value])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.endswith(f" error: {message}\n")
+
+
+def test_a_tokenizer_out_of_reach_is_named_by_its_option(tmp_path, capsys):
+    script = load_script()
+    save_hf(tmp_path, CFG, tiny_model().state_dict().items())
+    missing = tmp_path / "tok.json"
+    assert script.main([str(tmp_path), "--tokenizer", str(missing)]) == 1
+    assert capsys.readouterr().err == f"error: tokenizer '{missing}' (--tokenizer) does not exist\n"

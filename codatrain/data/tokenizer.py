@@ -51,18 +51,18 @@ class ByteTokenizer:
 class HFTokenizer:
     """A `tokenizers` fast tokenizer, from a tokenizer.json file or a saved Hugging Face folder."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, setting: str = "data.tokenizer") -> None:
+        """`setting` names where the path came from, in errors."""
         path = Path(path)
         if not path.exists():
-            raise FileNotFoundError(f"data.tokenizer={str(path)!r} does not exist")
+            raise FileNotFoundError(f"tokenizer {str(path)!r} ({setting}) does not exist")
         if path.is_dir() and (path / "tokenizer_config.json").is_file():
             self._backend, self.bos_id, eos_id = _from_folder(path)
         else:
             file = path / "tokenizer.json" if path.is_dir() else path
             if not file.is_file():
-                raise FileNotFoundError(
-                    f"data.tokenizer={str(path)!r} has neither tokenizer.json nor tokenizer_config.json"
-                )
+                raise FileNotFoundError(f"tokenizer {str(path)!r} ({setting}) has neither tokenizer.json "
+                                        "nor tokenizer_config.json")
             self._backend, self.bos_id, eos_id = _from_file(file)
         if eos_id is None:
             raise ValueError(
@@ -113,9 +113,10 @@ def _from_folder(folder: Path) -> tuple[object, int | None, int | None]:
     return tok.backend_tokenizer, (bos if bos != eos else None), eos
 
 
-def load_tokenizer(spec: str | None) -> Tokenizer:
-    """`byte` (or None), or a local tokenizer.json / Hugging Face tokenizer folder."""
-    return ByteTokenizer() if spec in (None, "byte") else HFTokenizer(spec)
+def load_tokenizer(spec: str | None, setting: str = "data.tokenizer") -> Tokenizer:
+    """`byte` (or None), or a local tokenizer.json / Hugging Face tokenizer folder (`setting`: the
+    option that named it, for errors)."""
+    return ByteTokenizer() if spec in (None, "byte") else HFTokenizer(spec, setting)
 
 
 # The files a Hugging Face tokenizer folder may hold (transformers' names); a checkpoint keeps a
