@@ -8,6 +8,7 @@ import torch
 from safetensors import safe_open
 
 from codatrain.config import CheckpointConfig
+from codatrain.data.tokenizer import TOKENIZER_FILES, folder_tokenizer
 from codatrain.model import Llama, get_preset
 from codatrain.train import hf_io
 from codatrain.train.checkpoint import CheckpointError, inspect_checkpoint
@@ -61,6 +62,26 @@ def test_an_export_keeps_the_checkpoints_dtype_and_without_a_tokenizer_names_no_
     config = json.loads((tmp_path / "bare/config.json").read_text())
     assert "bos_token_id" not in config and "eos_token_id" not in config
     assert not (tmp_path / "bare/generation_config.json").exists()
+
+
+def test_an_export_over_an_earlier_one_keeps_none_of_its_tokenizer(tmp_path):
+    pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"[UNK]": 0, "hi": 1, "</s>": 2}
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    words.add_special_tokens(["</s>"])
+    words.save(str(tmp_path / "tokenizer.json"))
+    model = Llama(CFG)
+    out = tmp_path / "hf"
+    hf_io.save_hf_with_tokenizer(out, CFG, model.state_dict().items(), str(tmp_path / "tokenizer.json"))
+    assert folder_tokenizer(out) == str(out)
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2
+    for tokenizer, eos_id in (("byte", 257), (None, None)):
+        hf_io.save_hf_with_tokenizer(out, CFG, model.state_dict().items(), tokenizer)
+        assert folder_tokenizer(out) is None
+        assert not [name for name in TOKENIZER_FILES if (out / name).exists()]
+        generation = out / "generation_config.json"
+        assert (json.loads(generation.read_text())["eos_token_id"] if generation.exists() else None) == eos_id
 
 
 def test_an_export_goes_into_an_existing_directory_but_not_onto_a_file(tmp_path):

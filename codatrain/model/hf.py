@@ -311,6 +311,8 @@ def save_hf(
     if delimiters is not None:  # what transformers' generate() stops at
         generation = {"bos_token_id": delimiters.bos_id, "eos_token_id": delimiters.eos_id}
         (out / GENERATION_CONFIG_NAME).write_text(json.dumps(generation, indent=2) + "\n")
+    else:  # one left by an earlier export into `out` would name its tokenizer's delimiters
+        (out / GENERATION_CONFIG_NAME).unlink(missing_ok=True)
     # safetensors creates its files mode 0600; give them the mode open() gave config.json (the
     # umask's), as every other output has.
     mode = (out / CONFIG_NAME).stat().st_mode & 0o777

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from codatrain.config import FOLDER_PRESET, RunConfig, model_config
-from codatrain.data.tokenizer import folder_tokenizer, load_tokenizer, save_hf_tokenizer
+from codatrain.data.tokenizer import TOKENIZER_FILES, folder_tokenizer, load_tokenizer, save_hf_tokenizer
 from codatrain.model.config import LlamaConfig
 from codatrain.model.hf import DEFAULT_MAX_SHARD_BYTES, Delimiters, HFCheckpoint, config_from_hf, save_hf
 from codatrain.model.layout import CanonicalModel
@@ -157,6 +157,10 @@ def save_hf_with_tokenizer(out_dir: str | os.PathLike, cfg: LlamaConfig,
         loaded = load_tokenizer(tokenizer)
         delimiters = Delimiters(loaded.bos_id, loaded.eos_id)
     save_hf(out_dir, cfg, tensors, delimiters=delimiters, **options)
+    # A folder exported into before keeps no tokenizer file of its old weights: AutoTokenizer and
+    # generate.py would load it with these.
+    for name in TOKENIZER_FILES:
+        (Path(out_dir) / name).unlink(missing_ok=True)
     if tokenizer is not None:
         save_hf_tokenizer(tokenizer, out_dir)
 
