@@ -10,6 +10,7 @@ cuBLAS's `_scaled_mm` of the same operands. Medians of 20 after 3 warm-up calls,
 
 from __future__ import annotations
 
+import argparse
 import statistics
 from collections.abc import Callable
 
@@ -56,6 +57,11 @@ def median_ms(fn: Callable[..., object], *args: object, iters: int = 20, warmup:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_fp8_cooperative: needs a CUDA GPU (sm_90)")
     one = torch.ones((), device="cuda")
     for name, k, n in (("gate/up dgrad", 28672, 4096), ("F3 down", 14336, 4096)):
         for a_dtype in (E5M2, E4M3):

@@ -91,6 +91,8 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--json", type=Path)
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_fp8_gemm: needs a CUDA GPU (sm_90)")
     torch.backends.cuda.matmul.allow_tf32 = False
     results = []
     for i, (name, (m, k, n)) in enumerate(SHAPES.items()):

@@ -5,11 +5,13 @@ documentation differs between Python versions and the corpus must be the same by
 This script records how the file was made (see codatrain/data/corpus/README.md); after running it, update
 `EMBEDDED_SHA256` in `codatrain/data/sources.py`.
 
-    python scripts/build_corpus.py
+    python scripts/build_corpus.py                      # rewrites the shipped file
+    python scripts/build_corpus.py --out /tmp/corpus.gz  # elsewhere, to compare
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import gzip
 import hashlib
@@ -100,9 +102,14 @@ def build() -> bytes:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=EMBEDDED_PATH,
+                        help="where to write (default: the shipped file)")
+    out = parser.parse_args().out
     data = build()
-    EMBEDDED_PATH.write_bytes(data)
-    print(f"wrote {EMBEDDED_PATH} ({len(data)} bytes) from Python {sys.version.split()[0]}")
+    out.write_bytes(data)
+    print(f"wrote {out} ({len(data)} bytes) from Python {sys.version.split()[0]}")
     print(f"sha256 {hashlib.sha256(data).hexdigest()}")
 
 
