@@ -52,6 +52,9 @@ def main(argv: list[str]) -> int | str:
         results = tokenize_to_dir(data, args.out, shards, args.processes, args.machine, args.machines, done)
     except (ValueError, FileNotFoundError, ConfigCompositionException) as error:
         return f"error: {error}"
+    if not results:
+        print(f"nothing to do: {args.out} holds this machine's shards of {shards} already")
+        return 0
     seconds = time.perf_counter() - started
     tokens = sum(r.tokens for r in results)
     print(f"{len(results)} shards, {tokens:,} tokens in {seconds:.1f} s ({tokens / max(seconds, 1e-9):,.0f} "

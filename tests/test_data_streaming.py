@@ -2,6 +2,7 @@
 resume, packing equal to the stored path, one pass over every document per epoch on 2 processes,
 bad rows named and skipped or fatal, and token directories independent of the process count."""
 
+import dataclasses
 import gzip
 import json
 import os
@@ -27,6 +28,7 @@ from codatrain.data.config import DataConfig, DataSource, OnBadData
 from codatrain.data.pretokenize import tokenize_to_dir
 from codatrain.data.sources import DataFileError, held_out_by_content
 from codatrain.data.streaming import CHUNK_ROWS
+from codatrain.data.token_shards import shard_name
 from codatrain.data.tokenizer import load_tokenizer
 from codatrain.train.trainer import train
 
@@ -551,8 +553,9 @@ def test_tokenizing_workers_are_single_threaded(tmp_path, monkeypatch, processes
     monkeypatch.setattr(pretokenize, "load_tokenizer", recording_load)
     source = DataConfig(source=DataSource.files, path=str(tmp_path / "c"), val_fraction=0.0)
     tokenize_to_dir(source, tmp_path / "tokens", shards=4, processes=processes)
-    assert {p.read_text() for p in seen.iterdir()} == {"false 1"}
-    assert len(list(seen.iterdir())) == processes and str(os.getpid()) not in os.listdir(seen)
+    # The parent loads it too, for what the shards are made from, and tokenizes nothing.
+    workers = [p for p in seen.iterdir() if p.name != str(os.getpid())]
+    assert {p.read_text() for p in workers} == {"false 1"} and len(workers) == processes
     assert "TOKENIZERS_PARALLELISM" not in os.environ and "RAYON_NUM_THREADS" not in os.environ
 
 
@@ -569,6 +572,19 @@ def test_machines_split_the_shards_and_an_incomplete_directory_is_named(tmp_path
     assert [r.index for r in written] == [0, 2]
     assert tokenize_to_dir(source, out, shards=4, processes=1) == []  # finished shards are skipped
     assert len(build(cfg)[0]) > 0
+    # Another tokenization is refused before anything is written or skipped.
     word_tokenizer(["<s>", "</s>"])[0].save(str(tmp_path / "tokenizer.json"))
+    others = {"tokenizer: 'byte-v1' there, 'hf-": dataclasses.replace(source, tokenizer=str(tmp_path)),
+              "val_fraction: 0.0 there, 0.5 here": dataclasses.replace(source, val_fraction=0.5),
+              "source: other files, or the same files changed since": dataclasses.replace(
+                  source, path=str(tmp_path / "c" / "part0.jsonl"))}
+    for differs, other in others.items():
+        with pytest.raises(ValueError, match=rf"^{out} holds shards of another tokenization \(shard-00000-of-"
+                                             rf"00004.json: {re.escape(differs)}"):
+            tokenize_to_dir(other, out, shards=4, processes=1)
+    with pytest.raises(ValueError, match=r"\(shard-00000-of-00004.json: shards: 4 there, 2 here\)"):
+        tokenize_to_dir(source, out, shards=2, processes=1)
+    markers = sorted(p.name for p in out.glob("shard-*.json"))
+    assert markers == [f"shard-{shard_name(i, 4)}.json" for i in range(4)]
     with pytest.raises(ValueError, match="another tokenizer"):
         build(DataConfig(source=DataSource.tokens, path=str(out), tokenizer=str(tmp_path), seq_len=16))

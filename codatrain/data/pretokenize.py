@@ -20,7 +20,7 @@ from typing import Any
 
 from codatrain.data.config import DataConfig, OnBadData
 from codatrain.data.loader import data_sources
-from codatrain.data.token_shards import shard_name, tokenize_shard
+from codatrain.data.token_shards import check_joins, shard_name, shard_spec, tokenize_shard
 from codatrain.data.tokenizer import load_tokenizer
 
 
@@ -58,11 +58,13 @@ def tokenize_to_dir(cfg: DataConfig, out: str | Path, shards: int, processes: in
     if not 0 <= machine < machines or shards <= 0 or processes <= 0:
         raise ValueError(f"need 0 <= machine ({machine}) < machines ({machines}), shards ({shards}) > 0 "
                          f"and processes ({processes}) > 0")
-    todo = [i for i in range(machine, shards, machines)
-            if not (Path(out) / f"shard-{shard_name(i, shards)}.json").is_file()]
     # Opening the stream here checks the source, and imports once what `datasets` streams with
     # (~1 s of modules), which forked workers then start with.
-    data_sources(cfg)[0].stream()
+    source = data_sources(cfg)[0]
+    source.stream()
+    check_joins(Path(out), shard_spec(source, load_tokenizer(cfg.tokenizer), cfg.val_fraction), shards)
+    todo = [i for i in range(machine, shards, machines)
+            if not (Path(out) / f"shard-{shard_name(i, shards)}.json").is_file()]
     results = []
     # One process is one forked worker too, so the 1-process rate is that of the same worker.
     with ProcessPoolExecutor(processes, mp_context=get_context("fork"), initializer=_one_core) as pool:

@@ -207,6 +207,30 @@ def open_token_dir(path: str | Path) -> tuple[dict[str, TokenShards], dict[str, 
     return parts, first["spec"]
 
 
+def shard_spec(source: Source, tokenizer: Tokenizer, val_fraction: float) -> dict[str, Any]:
+    """What a shard is made from, as its marker records it: shards of one directory share it."""
+    return {"source": source.identity, "text_column": source.text_column,
+            "max_documents": source.max_documents, "tokenizer": tokenizer.fingerprint,
+            "val_fraction": val_fraction}
+
+
+def check_joins(directory: Path, spec: dict[str, Any], count: int) -> None:
+    """ValueError when `directory` holds shards of another tokenization than `count` shards of
+    `spec`: new ones would join a directory no reader can use (or one whose finished shards are
+    skipped though made from another source or tokenizer)."""
+    for path in sorted(directory.glob("shard-*-of-*.json")):
+        marker = json.loads(path.read_text())
+        there = {"shards": marker["count"], **marker["spec"]}
+        here = json.loads(json.dumps({"shards": count, **spec}))  # as a marker holds it
+        differ = ["source: other files, or the same files changed since" if key == "source" else
+                  f"{key}: {there.get(key)!r} there, {here[key]!r} here"
+                  for key in here if there.get(key) != here[key]]
+        if differ:
+            raise ValueError(f"{directory} holds shards of another tokenization ({path.name}: "
+                             f"{'; '.join(differ)}); tokenize into an empty directory, or rerun with "
+                             "the settings that made it (finished shards are skipped)")
+
+
 def tokenize_shard(source: Source, tokenizer: Tokenizer, directory: Path, index: int, count: int,
                    val_fraction: float, skip_bad: bool) -> dict[str, Any]:
     """Write shard `index` of `count` of `source` into `directory`: the stream's part
@@ -215,9 +239,7 @@ def tokenize_shard(source: Source, tokenizer: Tokenizer, directory: Path, index:
     `val` part. Returns the shard's marker."""
     dtype = token_dtype(tokenizer.vocab_size)
     parts = ("train", "val") if val_fraction > 0 else ("train",)
-    spec = {"source": source.identity, "text_column": source.text_column,
-            "max_documents": source.max_documents, "tokenizer": tokenizer.fingerprint,
-            "val_fraction": val_fraction}
+    spec = shard_spec(source, tokenizer, val_fraction)
     writer = ShardWriter(directory, index, count, parts, dtype)
     skipped = 0
     try:
