@@ -175,6 +175,23 @@ def test_wandb_offline_run_records_the_resolved_config(tmp_path, monkeypatch):
     assert len(runs) == 1 and runs[0].stat().st_size > 0
 
 
+def test_wandb_that_cannot_start_is_one_error_before_training(tmp_path, monkeypatch):
+    """An online run without an API key (or the network): wandb's error, named by the key that
+    asked for it, with the way out; the run directory is free for the next attempt."""
+    import wandb
+
+    def init(**kwargs):
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+
+    monkeypatch.setattr(wandb, "init", init)
+    with pytest.raises(ValueError, match=r"^logger\.wandb\.mode=online: wandb did not start: No API key "
+                                         r"configured\. .*logger\.wandb\.mode=offline logs into the run"):
+        run(tmp_path, "train.steps=2", "logger.wandb.mode=online")
+    assert not (tmp_path / "metrics.jsonl").exists()
+    monkeypatch.undo()
+    assert len(run(tmp_path, "train.steps=2").losses) == 2
+
+
 def test_train_log_holds_the_console_and_the_run_ends_with_a_summary(tmp_path, capsys):
     result = run(tmp_path, "data=synthetic", "train.steps=4", "train.val_every=2", "train.log_every=2",
                  "checkpoint.at_end=true")

@@ -51,11 +51,19 @@ class RunLogger:
         if wandb_cfg.mode != "disabled":
             import wandb
 
-            self.wandb_run = wandb.init(
-                project=wandb_cfg.project, entity=wandb_cfg.entity, name=wandb_cfg.name,
-                mode=str(wandb_cfg.mode), dir=self.run_dir,
-                config=OmegaConf.to_container(OmegaConf.structured(run), enum_to_str=True),
-            )
+            try:
+                self.wandb_run = wandb.init(
+                    project=wandb_cfg.project, entity=wandb_cfg.entity, name=wandb_cfg.name,
+                    mode=str(wandb_cfg.mode), dir=self.run_dir,
+                    config=OmegaConf.to_container(OmegaConf.structured(run), enum_to_str=True),
+                )
+            except wandb.errors.Error as error:  # no API key, no network: before any step, one line
+                self.close()
+                raise ValueError(
+                    f"logger.wandb.mode={wandb_cfg.mode}: wandb did not start: {error} (online runs need "
+                    "`wandb login` or WANDB_API_KEY and the network; logger.wandb.mode=offline logs into "
+                    "the run directory, for `wandb sync` later)"
+                ) from None
         # A live bar only on a terminal; in CI/log files the periodic lines carry the ETA instead.
         if run.train.progress and sys.stdout.isatty():
             self.progress = Progress(
