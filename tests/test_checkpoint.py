@@ -398,7 +398,7 @@ def test_init_from_a_checkpoint_of_another_model_names_it(tmp_path):
         ckpt.restore()
     assert str(error.value) == (
         f"checkpoint {step_1} holds a different model (ffn_dim: 384 there, 768 here); to match it, set "
-        "model.ffn_dim=384"
+        "model.ffn_dim=384, or model=hf, which takes the architecture from checkpoint.init_from"
     )
 
 

@@ -3,6 +3,7 @@ codatrain checkpoint's manifest), contradicting overrides named, and the folder'
 default data.tokenizer."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -55,6 +56,15 @@ def test_the_architecture_and_weights_come_from_an_hf_folder_or_a_checkpoint(tmp
     again = trainer(tmp_path / "again", "model=hf", f"checkpoint.init_from={checkpoint}")
     assert again.model_cfg == run.model_cfg
     again.close()
+
+
+def test_a_preset_unlike_the_weights_names_the_overrides_and_model_hf(tmp_path):
+    hf_folder(tmp_path / "hf")
+    message = (rf"^init_from={re.escape(str(tmp_path / 'hf'))} holds a different model \(dim: 64 there, 128 "
+               r"here, .*; to match it, set model\.dim=64 .*, or model=hf, which takes the architecture from "
+               r"checkpoint\.init_from$")
+    with pytest.raises(ValueError, match=message):
+        trainer(tmp_path, f"checkpoint.init_from={tmp_path / 'hf'}")
 
 
 @pytest.mark.parametrize("override, message", [

@@ -24,6 +24,10 @@ ARCHITECTURE_FIELDS = ("family", "dim", "n_layers", "n_heads", "n_kv_heads", "he
                        "tie_embeddings", "qkv_bias", "qk_norm")
 
 
+class ArchitectureMismatch(ValueError):
+    """Weights (a checkpoint, an HF folder) of another architecture than the run's model config."""
+
+
 class ModelFamily(StrEnum):
     """The Llama-style decoder families, named as Hugging Face's `model_type`: the name an export
     keeps, so that transformers loads it as that family."""
@@ -148,13 +152,13 @@ class LlamaConfig:
         return dataclasses.replace(self, **overrides)
 
     def check_architecture(self, found: LlamaConfig, source: str) -> None:
-        """A ValueError listing every architecture field where `found` (from `source`, a checkpoint
-        say) differs from this config, with the overrides that would match it."""
+        """An ArchitectureMismatch listing every architecture field where `found` (from `source`, a
+        checkpoint say) differs from this config, with the overrides that would match it."""
         diffs = [f for f in ARCHITECTURE_FIELDS if getattr(found, f) != getattr(self, f)]
         if diffs:
             detail = ", ".join(f"{f}: {getattr(found, f)} there, {getattr(self, f)} here" for f in diffs)
             fix = " ".join(f"model.{f}={getattr(found, f)}" for f in diffs)
-            raise ValueError(f"{source} holds a different model ({detail}); to match it, set {fix}")
+            raise ArchitectureMismatch(f"{source} holds a different model ({detail}); to match it, set {fix}")
 
     # ---- parameter counts -------------------------------------------------------------------
     def layer_matmul_params(self) -> int:

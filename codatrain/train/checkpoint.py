@@ -80,7 +80,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from codatrain.data.tokenizer import load_tokenizer, tokenizer_files
 from codatrain.kernels.fp8 import Fp8Scaling
-from codatrain.model.config import LlamaConfig
+from codatrain.model.config import ArchitectureMismatch, LlamaConfig
 from codatrain.train.canonical_state import (
     CanonicalMapping,
     Entry,
@@ -190,7 +190,7 @@ def load_model_weights(path: Path, manifest: Mapping[str, Any], model_cfg: Llama
 def _check_model_config(path: Path, manifest: Mapping[str, Any], model_cfg: LlamaConfig) -> None:
     try:
         model_cfg.check_architecture(LlamaConfig(**manifest["model_config"]), f"checkpoint {path}")
-    except ValueError as error:
+    except ArchitectureMismatch as error:
         raise CheckpointMismatch(str(error)) from None
 
 

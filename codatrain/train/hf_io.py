@@ -15,13 +15,14 @@ from torch import nn
 
 from codatrain.config import FOLDER_PRESET, RunConfig, model_config
 from codatrain.data.tokenizer import TOKENIZER_FILES, folder_tokenizer, load_tokenizer, save_hf_tokenizer
-from codatrain.model.config import LlamaConfig
+from codatrain.model.config import ArchitectureMismatch, LlamaConfig
 from codatrain.model.hf import DEFAULT_MAX_SHARD_BYTES, Delimiters, HFCheckpoint, config_from_hf, save_hf
 from codatrain.model.layout import CanonicalModel
 from codatrain.train.canonical_state import CanonicalMapping
 from codatrain.train.checkpoint import (
     CHECKPOINTS_DIR,
     MANIFEST,
+    CheckpointMismatch,
     checkpoint_tokenizer,
     inspect_checkpoint,
     load_model_weights,
@@ -91,10 +92,14 @@ def load_init_weights(model: nn.Module, path: str | os.PathLike, model_cfg: Llam
                       log: Callable[[str], None], manifest: dict[str, Any] | None = None) -> None:
     """`checkpoint.init_from`: the weights of a codatrain checkpoint (its `manifest`, from
     inspect_checkpoint, which has checked it) or of HF Llama weights, into `model`."""
-    if manifest is None:
-        load_hf_weights(model, path, model_cfg, log)
-        return
-    load_model_weights(Path(path), manifest, model_cfg, model)
+    try:
+        if manifest is None:
+            load_hf_weights(model, path, model_cfg, log)
+            return
+        load_model_weights(Path(path), manifest, model_cfg, model)
+    except (ArchitectureMismatch, CheckpointMismatch) as error:
+        raise type(error)(f"{error}, or model=hf, which takes the architecture from checkpoint.init_from"
+                          ) from None
     log(f"initialised weights from checkpoint {path}")
 
 
