@@ -164,3 +164,17 @@ def test_resuming_with_another_tokenizer_is_refused(tmp_path):
         f"{tmp_path / 'tokenizer.json'}: resume with the same data.tokenizer, or start a new run from its "
         "weights (checkpoint.init_from) with another train.run_dir")
     trainer(tmp_path, "data.tokenizer=byte", "train.steps=2").close()  # the same one, named
+
+
+def test_a_hub_id_where_a_folder_is_wanted_says_how_to_get_the_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    hint = (r" \(a Hugging Face Hub id\? codatrain reads local folders: download it first, `hf download "
+            r"meta-llama/Llama-3\.2-1B --local-dir <folder>`, and pass the folder\)$")
+    missing = r"^meta-llama/Llama-3\.2-1B: no such file or directory"
+    with pytest.raises(FileNotFoundError, match=missing + hint):
+        trainer(tmp_path, "model=hf", "checkpoint.init_from=meta-llama/Llama-3.2-1B")
+    with pytest.raises(FileNotFoundError, match=r"^tokenizer 'meta-llama/Llama-3\.2-1B' \(data\.tokenizer\) "
+                                                r"does not exist" + hint):
+        load_tokenizer("meta-llama/Llama-3.2-1B")
+    with pytest.raises(FileNotFoundError, match=r"^tokenizer 'llama3' \(data\.tokenizer\) does not exist$"):
+        load_tokenizer("llama3")

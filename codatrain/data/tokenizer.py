@@ -15,6 +15,8 @@ from typing import Protocol
 
 import numpy as np
 
+from codatrain.model.hf import hub_id_hint
+
 # Names under which tokenizer.json files commonly carry their delimiters, most specific first.
 # Only used for a bare tokenizer.json; a folder's tokenizer_config.json names them explicitly.
 _BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "[BOS]", "<|bos|>")
@@ -55,7 +57,7 @@ class HFTokenizer:
         """`setting` names where the path came from, in errors."""
         path = Path(path)
         if not path.exists():
-            raise FileNotFoundError(f"tokenizer {str(path)!r} ({setting}) does not exist")
+            raise FileNotFoundError(f"tokenizer {str(path)!r} ({setting}) does not exist{hub_id_hint(path)}")
         if path.is_dir() and (path / "tokenizer_config.json").is_file():
             self._backend, self.bos_id, eos_id = _from_folder(path)
         else:

@@ -326,6 +326,15 @@ def _head(items: list[str], n: int, sep: str) -> str:
     return sep.join(items[:n]) + more
 
 
+def hub_id_hint(path: str | os.PathLike) -> str:
+    """For a missing path shaped like a Hub id (`owner/name`): how to get its folder, as a
+    parenthesis to append to the error; else ""."""
+    if Path(path).exists() or not re.fullmatch(r"[\w.-]+/[\w.-]+", str(path)):
+        return ""
+    return (f" (a Hugging Face Hub id? codatrain reads local folders: download it first, `hf download {path} "
+            f"--local-dir <folder>`, and pass the folder)")
+
+
 # ---- reading -------------------------------------------------------------------------------------
 class HFCheckpoint:
     """An HF checkpoint of one of the Llama-style families on disk, read lazily through safetensors
@@ -361,7 +370,7 @@ class HFCheckpoint:
                     f"{path}: no {WEIGHTS_NAME} or {INDEX_NAME}" + (hint if pickled else "")
                 )
         else:
-            raise FileNotFoundError(f"{path}: no such file or directory")
+            raise FileNotFoundError(f"{path}: no such file or directory{hub_id_hint(path)}")
         missing = sorted(str(f) for f in files if not f.is_file())
         if missing:
             raise FileNotFoundError(f"{path}: the index lists missing files: {', '.join(missing)}")
