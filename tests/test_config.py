@@ -57,6 +57,7 @@ def test_bad_override_names_the_key(override, named):
     ("checkpoint.every=-1", "checkpoint.every"),
     ("checkpoint.save_hf_every=-2", "checkpoint.save_hf_every"),
     ("data.seq_len=0", "data.seq_len"),
+    ("data.max_documents=0", "data.max_documents must be positive, got 0"),
     ("model.n_layers=0", "model.n_layers"),
     ("model.n_heads=3", "model.n_heads"),
     ("optim.lr=-1", "optim.lr must be positive"),

@@ -95,6 +95,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         require_positive(self, "data", "seq_len", "val_tokens")
         require_not_negative(self, "data", "shuffle_buffer", "num_workers")
+        if self.max_documents is not None:
+            require_positive(self, "data", "max_documents")
         if not 0 <= self.val_fraction < 1:
             raise ValueError(f"data.val_fraction={self.val_fraction} is not in [0, 1)")
         if self.streaming and self.source not in (DataSource.files, DataSource.hub):
