@@ -60,6 +60,8 @@ def test_bad_override_names_the_key(override, named):
     ("data.max_documents=0", "data.max_documents must be positive, got 0"),
     ("model.n_layers=0", "model.n_layers"),
     ("model.n_heads=3", "model.n_heads"),
+    ("model.norm_eps=-1e-5", "model.norm_eps must be positive, got -1e-05"),
+    ("model.init_std=-0.02", "model.init_std must be positive, got -0.02"),
     ("optim.lr=-1", "optim.lr must be positive"),
     ("optim.warmup_steps=-5", "optim.warmup_steps"),
     ("optim.min_lr_ratio=2", r"optim.min_lr_ratio must lie in \[0, 1\]"),

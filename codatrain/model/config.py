@@ -77,7 +77,8 @@ class LlamaConfig:
     init_std: float = 0.02  # std of the normal weight init (output projections: / sqrt(2 n_layers))
 
     def __post_init__(self) -> None:
-        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len",
+                     "norm_eps", "init_std"):  # a negative eps or std trains on NaN or noise
             if getattr(self, name) <= 0:
                 raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
         if self.head_dim is None:
