@@ -73,7 +73,11 @@ class Source:
         try:
             with _builder_errors_unlogged(self.load_args["path"]):
                 ds = load_dataset(**self.load_args)
-        except datasets.exceptions.DatasetGenerationError as exc:
+        except DataFileError:
+            raise
+        # A file broken before generation starts (a bad gzip header when the builder infers the
+        # features) raises the reader's own error, not datasets' wrapper.
+        except (datasets.exceptions.DatasetGenerationError, OSError, ValueError) as exc:
             raise self._unreadable(exc) from exc
         columns = ds.column_names  # None for a stream whose features are not declared
         if columns is not None:
