@@ -2,6 +2,9 @@
 
 
 import dataclasses
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,7 @@ from codatrain.train.logger import LOG_FILE, read_losses
 from codatrain.train.plan import build_run_plan
 from codatrain.train.trainer import Trainer, train
 
+REPO = Path(__file__).resolve().parent.parent
 FAST = ["train.log_every=1", "train.val_every=0", "train.progress=false", "checkpoint.at_end=false"]
 
 
@@ -190,6 +194,22 @@ def test_wandb_that_cannot_start_is_one_error_before_training(tmp_path, monkeypa
     assert not (tmp_path / "metrics.jsonl").exists()
     monkeypatch.undo()
     assert len(run(tmp_path, "train.steps=2").losses) == 2
+
+
+def test_wandb_that_cannot_start_under_torchrun_stops_every_rank_with_its_error(tmp_path):
+    """Only rank 0 starts wandb; the other rank must not wait for it in a collective (it used to
+    die of gloo's "connection closed by peer" after rank 0's error)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env["HOME"] = str(tmp_path)  # no ~/.netrc, so no API key
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(REPO / "scripts" / "train.py"), "train.steps=2", "logger.wandb.mode=online", "data=synthetic",
+         f"train.run_dir={tmp_path / 'run'}"],
+        cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    # Both ranks print it (their lines may interleave, and torchrun may end one of them first).
+    assert "error: logger.wandb.mode=online: wandb did not start: " in proc.stderr, proc.stderr[-3000:]
+    assert "Connection closed by peer" not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_train_log_holds_the_console_and_the_run_ends_with_a_summary(tmp_path, capsys):

@@ -26,6 +26,7 @@ from codatrain.train.distributed import (
     all_reduce_max_,
     all_reduce_sum,
     barrier,
+    first_error_of_any_rank,
     init_distributed,
     shutdown_distributed,
 )
@@ -142,7 +143,14 @@ class Trainer:
         )
 
         self.run_dir = tcfg.run_dir
-        self.logger = RunLogger(run, enabled=dist_info.is_main)
+        # Only the main process starts wandb; when it cannot, every rank stops with its error
+        # (the others would wait in the next collective for a rank that is gone).
+        try:
+            self.logger, logger_error = RunLogger(run, enabled=dist_info.is_main), None
+        except ValueError as error:
+            logger_error = str(error)
+        if (logger_error := first_error_of_any_rank(logger_error)) is not None:
+            raise ValueError(logger_error)
         self.flops_per_token = self.model_cfg.flops_per_token(plan.data.seq_len)
         self.peak = peak_flops(device)
         # Resume (checkpoint.resume) or load init_from weights; before fit() starts the data iterators.
