@@ -50,15 +50,14 @@ def test_compressed_jsonl_with_a_record_that_is_not_an_object(tmp_path):
 
 @pytest.mark.parametrize("name, content, problem", [
     ("b.jsonl.gz", b"not gzip at all\n", r"cannot be read as json \(BadGzipFile: Not a gzipped file"),
+    ("b.jsonl.gz", gzip.compress(records(*[f"hello {i}" for i in range(50)]).encode())[:70],
+     r"cannot be read as json \(EOFError: Compressed file ended before the end-of-stream marker"),
     ("b.parquet", b"PAR1xx", r"cannot be read as parquet \(ArrowInvalid: "),
-], ids=["gzip", "parquet"])
+], ids=["gzip", "truncated-gzip", "parquet"])
 def test_a_file_broken_before_its_first_record_is_named(tmp_path, name, content, problem):
-    (tmp_path / "docs").mkdir()
-    if name.endswith(".gz"):
-        (tmp_path / "docs" / "a.jsonl.gz").write_bytes(gzip.compress(records("fine").encode()))
-    (tmp_path / "docs" / name).write_bytes(content)
-    with pytest.raises(DataFileError, match=rf"^{tmp_path / 'docs' / name}: {problem}"):
-        streams_of(tmp_path, tmp_path / "docs" / name if name.endswith(".parquet") else tmp_path / "docs")
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(DataFileError, match=rf"^{tmp_path / name}: {problem}"):
+        streams_of(tmp_path, tmp_path / name)
 
 
 def test_pretty_printed_json_document_is_still_read(tmp_path):

@@ -75,9 +75,9 @@ class Source:
                 ds = load_dataset(**self.load_args)
         except DataFileError:
             raise
-        # A file broken before generation starts (a bad gzip header when the builder infers the
-        # features) raises the reader's own error, not datasets' wrapper.
-        except (datasets.exceptions.DatasetGenerationError, OSError, ValueError) as exc:
+        # A file broken before generation starts (a bad gzip header or a truncated stream, met when
+        # the builder infers the features) raises the reader's own error, not datasets' wrapper.
+        except (datasets.exceptions.DatasetGenerationError, OSError, EOFError, pa.ArrowException) as exc:
             raise self._unreadable(exc) from exc
         columns = ds.column_names  # None for a stream whose features are not declared
         if columns is not None:
