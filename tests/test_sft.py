@@ -16,6 +16,7 @@ from codatrain.config import DataConfig, load_config, validate
 from codatrain.data import build_loaders
 from codatrain.data.config import SFTOverlong
 from codatrain.data.sft import Example, SFTWindows, generation_prompt, make_encoder, to_messages
+from codatrain.data.sources import DataFileError
 from codatrain.data.tokenizer import ByteTokenizer, load_tokenizer
 from codatrain.model.llama import IGNORE_INDEX
 
@@ -192,6 +193,22 @@ def test_bad_records_name_the_file_and_line(tmp_path, record, message):
     path = write_jsonl(tmp_path / "bad.jsonl", [good, good, record])
     with pytest.raises(ValueError, match=rf"bad.jsonl line 3: {message}"):
         build(sft_config(tmp_path, path))
+
+
+@pytest.mark.parametrize("name, content, problem", [
+    ("bad.jsonl.gz", b"not gzip at all\n", r"cannot be read as JSON lines \(BadGzipFile: Not a gzipped file"),
+    ("bad.jsonl.gz", None, r"cannot be read as JSON lines after line \d+ \(EOFError: Compressed file ended"),
+    ("bad.jsonl", b'{"prompt": "p", "response": "r"}\n\xff\xfe binary\n',
+     r"line 2: not UTF-8 text \(invalid start byte at byte 0 of the line\); is it a binary file\?"),
+], ids=["gzip-header", "truncated-gzip", "not-utf8"])
+def test_a_file_that_cannot_be_read_is_named(tmp_path, name, content, problem):
+    if content is None:  # a gzip cut in the middle of its stream
+        lines = "".join(json.dumps({"prompt": f"p{i}", "response": f"r{i}"}) + "\n" for i in range(2000))
+        whole = gzip.compress(lines.encode())
+        content = whole[:len(whole) // 2]
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(DataFileError, match=rf"^{tmp_path / name}:? {problem}"):
+        build(sft_config(tmp_path, tmp_path / name))
 
 
 def test_a_file_that_is_not_json_lines_is_named(tmp_path):

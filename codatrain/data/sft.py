@@ -42,7 +42,7 @@ import torch
 
 from codatrain.data.config import DataConfig, DataSource, SFTOverlong, SFTTemplate
 from codatrain.data.packing import Window
-from codatrain.data.sources import held_out_by_content, load_dataset, resolve_files
+from codatrain.data.sources import DataFileError, held_out_by_content, load_dataset, resolve_files
 from codatrain.data.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant")
@@ -68,15 +68,27 @@ def read_local_records(path: str) -> Iterator[tuple[str, Any]]:
             raise ValueError(f"data path {path!r}: {file} is not a JSON-lines file "
                              f"({', '.join(_JSON_SUFFIXES)})")
         opener = gzip.open if file.suffix.lower() == ".gz" else open
-        with opener(file, "rt", encoding="utf-8") as lines:
-            for number, line in enumerate(lines, start=1):
-                if not line.strip():
-                    continue
-                where = f"{file} line {number}"
-                try:
-                    yield where, json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise ValueError(f"{where}: not valid JSON ({error.msg})") from None
+        number = 0
+        try:
+            with opener(file, "rb") as lines:
+                for number, raw in enumerate(lines, start=1):
+                    where = f"{file} line {number}"
+                    try:
+                        line = raw.decode("utf-8")
+                    except UnicodeDecodeError as error:
+                        raise DataFileError(f"{where}: not UTF-8 text ({error.reason} at byte "
+                                            f"{error.start} of the line); is it a binary file?") from None
+                    if not line.strip():
+                        continue
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as error:
+                        raise DataFileError(f"{where}: not valid JSON ({error.msg})") from None
+                    yield where, record
+        except (OSError, EOFError) as error:  # a broken or truncated gzip: the file, and how far it read
+            reached = f" after line {number}" if number else ""
+            raise DataFileError(f"{file}: cannot be read as JSON lines{reached} "
+                                f"({type(error).__name__}: {error})") from None
 
 
 def read_hub_records(name: str, config_name: str | None, split: str, streaming: bool,
