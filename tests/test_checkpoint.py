@@ -337,6 +337,14 @@ def test_resume_none_refuses_to_mix_with_existing_checkpoints(tmp_path):
     )
 
 
+def test_a_resume_value_that_is_neither_a_keyword_nor_a_directory_lists_the_choices(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError) as error:
+        Run(tmp_path, resume="never").ckpt.restore()
+    assert str(error.value) == ("checkpoint.resume=never: no such checkpoint directory; checkpoint.resume "
+                                "takes auto, none or a step_<n> directory")
+
+
 def test_an_interrupted_finetuning_run_resumes_its_own_checkpoint_not_init_from(tmp_path):
     base = Run(tmp_path / "base")
     base.step()

@@ -96,6 +96,9 @@ class Checkpointer:
             path = latest_checkpoint(self.root, self.log)
         else:
             path = Path(resume)
+            if not path.exists():  # a misspelt keyword reads as a path
+                raise CheckpointError(f"checkpoint.resume={resume}: no such checkpoint directory; "
+                                      "checkpoint.resume takes auto, none or a step_<n> directory")
             inspect_checkpoint(path, log=self.log)  # a checkpoint named explicitly must be complete
         if path is None:
             return None
