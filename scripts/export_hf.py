@@ -27,7 +27,10 @@ def parse_size(text: str) -> int:
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     if not match or match.group(2).upper() not in UNITS:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 5GB, 500MB, 2GiB)")
-    return int(float(match.group(1)) * UNITS[match.group(2).upper()])
+    size = int(float(match.group(1)) * UNITS[match.group(2).upper()])
+    if size <= 0:  # it would write one file per tensor
+        raise argparse.ArgumentTypeError(f"{text!r}: a shard size must be positive (examples: 5GB, 500MB)")
+    return size
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -411,6 +411,10 @@ def test_export_script_turns_a_training_checkpoint_into_a_transformers_model(tmp
     assert export_hf.main([str(step_dir), str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
     assert LlamaForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
     assert export_hf.main([str(tmp_path / "run"), str(tmp_path / "x")]) == 1  # not a checkpoint
+    for size in ("0", "0.1B", "abc"):
+        with pytest.raises(SystemExit):  # argparse's usage error, before anything is written
+            export_hf.main([str(step_dir), str(tmp_path / "zero"), "--max-shard-size", size])
+    assert not (tmp_path / "zero").exists()
 
 
 @pytest.mark.parametrize("kind", ["folder", "tokenizer.json", "byte"])
