@@ -30,7 +30,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from codatrain.train.logger import read_losses, windowed
+from codatrain.train.logger import METRICS_FILE, read_losses, windowed
 from codatrain.train.runs import REPO, TRAIN_SCRIPT
 
 
@@ -114,6 +114,11 @@ def main() -> None:
     if not args.plot_only:
         for name, block in variants.items():
             train(args.run_root / name, args.model, block, args.steps, args.overrides)
+    missing = [str(args.run_root / name) for name in variants
+               if not (args.run_root / name / METRICS_FILE).is_file()]
+    if missing:
+        p.error(f"no {METRICS_FILE} in {', '.join(missing)}: run the comparison without --plot-only first"
+                if args.plot_only else f"a run wrote no {METRICS_FILE}: {', '.join(missing)}")
     curves = {name: read_losses(args.run_root / name) for name in variants}
     (base_name, base), *others = curves.items()
     wbase = windowed(base, args.window)

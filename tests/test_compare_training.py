@@ -50,3 +50,12 @@ def test_a_variant_without_a_name_or_alone_is_refused_by_name():
     assert proc.returncode == 2 and "--variant 'no equals sign': expected NAME=OVERRIDES" in proc.stderr
     proc = compare("--variant", "coda=block=coda")
     assert proc.returncode == 2 and "compare needs at least two --variant runs" in proc.stderr
+
+
+def test_runs_that_are_not_there_are_named(tmp_path):
+    write_run(tmp_path / "base", [2.0] * 5)
+    proc = compare("--run-root", str(tmp_path), "--variant", "base=", "--variant", "other=")
+    assert proc.returncode == 2
+    missing = tmp_path / "other"
+    assert proc.stderr.endswith(f"error: no metrics.jsonl in {missing}: run the comparison without "
+                                "--plot-only first\n")
