@@ -224,6 +224,10 @@ class TrainConfig:
         if self.val_every > 0:
             require_positive(self, "train", "val_batches")
         require_not_negative(self, "train", "skip_nonfinite_steps", "profile_steps", "profile_skip")
+        if self.profile_steps and self.steps <= self.profile_skip + 1:
+            raise ValueError(f"train.profile_steps={self.profile_steps}: train.steps={self.steps} ends "
+                             f"before the profile starts (after train.profile_skip={self.profile_skip} steps "
+                             "and one warm-up step); lower train.profile_skip")
 
 
 # parallel.dp_replicate=auto: one replica per node (torchrun's LOCAL_WORLD_SIZE processes each).

@@ -212,6 +212,24 @@ def test_wandb_that_cannot_start_under_torchrun_stops_every_rank_with_its_error(
     assert "Connection closed by peer" not in proc.stderr, proc.stderr[-3000:]
 
 
+def test_a_profile_the_run_cannot_complete_is_refused_or_named(tmp_path, capsys):
+    """The profiler's window is train.profile_skip steps, one warm-up step, then the profiled ones:
+    a run that ends before it starts is refused; one that ends inside it (a short run, or a resumed
+    one) trains and says how many steps the profile covers."""
+    with pytest.raises(ValueError, match=r"^train\.profile_steps=2: train\.steps=6 ends before the "
+                                         r"profile starts \(after train\.profile_skip=5 steps and one "
+                                         r"warm-up step\)"):
+        validate(load_config(["train.steps=6", "train.profile_steps=2"]))
+    run(tmp_path, "train.steps=3", "checkpoint.at_end=true")
+    capsys.readouterr()
+    run(tmp_path, "train.steps=5", "train.profile_steps=3", "train.profile_skip=0", "checkpoint.at_end=true")
+    assert ("warning: 2 steps are left to run, so the profile (after train.profile_skip=0 and one warm-up "
+            "step) covers 1 of train.profile_steps=3") in capsys.readouterr().out
+    assert (tmp_path / "profile" / "summary_rank0.txt").is_file()
+    run(tmp_path, "train.steps=7", "train.profile_steps=3", "train.profile_skip=1")
+    assert "covers none: no profile is written" in capsys.readouterr().out
+
+
 def test_train_log_holds_the_console_and_the_run_ends_with_a_summary(tmp_path, capsys):
     result = run(tmp_path, "data=synthetic", "train.steps=4", "train.val_every=2", "train.log_every=2",
                  "checkpoint.at_end=true")

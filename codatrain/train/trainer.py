@@ -286,6 +286,12 @@ class Trainer:
         first_step = self.step + 1
         profiler = StepProfiler(self.run_dir, tcfg.profile_steps, tcfg.profile_skip, self.dist.rank,
                                 self.dist.device)
+        profiled = min(tcfg.profile_steps, tcfg.steps - self.step - tcfg.profile_skip - 1)
+        if tcfg.profile_steps and profiled < tcfg.profile_steps:  # a resumed run, or a short one
+            self.logger.info(f"warning: {tcfg.steps - self.step} steps are left to run, so the profile "
+                             f"(after train.profile_skip={tcfg.profile_skip} and one warm-up step) covers "
+                             + (f"{profiled} of train.profile_steps={tcfg.profile_steps}" if profiled > 0
+                                else "none: no profile is written"))
         result.stopped_by = self.stop.agreed()  # a signal before the first step; then each step's own
         while self.step < tcfg.steps and not result.stopped_by:
             step_started = time.perf_counter()
