@@ -11,6 +11,7 @@ another) each node checks in `__post_init__`, which runs when `validate` builds 
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -20,7 +21,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from codatrain.data.config import DataConfig, require_not_negative, require_positive
+from codatrain.data.config import DataConfig, expand_home, require_not_negative, require_positive
 from codatrain.model.config import ARCHITECTURE_FIELDS, LlamaConfig, get_preset
 
 # `model=hf`: no preset, the architecture of the weights checkpoint.init_from names.
@@ -218,6 +219,7 @@ class TrainConfig:
     profile_skip: int = 5  # steps before profiling starts (one more is the profiler's warm-up)
 
     def __post_init__(self) -> None:
+        expand_home(self, "run_dir")
         require_positive(self, "train", "steps", "micro_batch_size", "log_every")
         if self.tokens_per_step is not None:
             require_positive(self, "train", "tokens_per_step")
@@ -282,6 +284,7 @@ class CheckpointConfig:
     stop_save_after: int = 1
 
     def __post_init__(self) -> None:
+        expand_home(self, "resume", "init_from")
         require_not_negative(self, "checkpoint", "every", "save_hf_every", "stop_save_after")
 
 
@@ -295,6 +298,9 @@ class KernelsConfig:
     # A cache built for other versions, other kernel sources or another config (or never built):
     # rebuild it before training, or fail with a message that names every difference.
     on_stale: OnStale = OnStale.rebuild
+
+    def __post_init__(self) -> None:
+        expand_home(self, "cache_dir")
 
 
 @dataclass
@@ -325,8 +331,21 @@ class RunConfig:
 
 def register_configs() -> None:
     """The schema as the base of configs/train.yaml: RunConfig types every group's node, so the
-    group files need no schema of their own (which `--help` would list as a choice)."""
+    group files need no schema of their own (which `--help` would list as a choice). And the
+    `expanduser` resolver, for Hydra's own output folder (hydra.run.dir, the run directory)."""
     ConfigStore.instance().store(name="run_schema", node=RunConfig)
+    if not OmegaConf.has_resolver("expanduser"):
+        OmegaConf.register_new_resolver("expanduser", os.path.expanduser)
+
+
+def expand_home_in_overrides(overrides: list[str]) -> list[str]:
+    """`key=~/path` overrides with the `~` expanded, as a shell does in an assignment: Hydra's
+    grammar has no bare `~` (a quoted one reaches the config, whose path fields expand it)."""
+    expanded = []
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        expanded.append(f"{key}={os.path.expanduser(value)}" if sep and value.startswith("~") else override)
+    return expanded
 
 
 def validate(cfg: DictConfig) -> RunConfig:
@@ -349,4 +368,4 @@ def load_config(overrides: list[str] | None = None) -> DictConfig:
     register_configs()
     config_dir = Path(__file__).resolve().parent.parent / "configs"
     with initialize_config_dir(config_dir=str(config_dir), version_base=None):
-        return compose(config_name="train", overrides=overrides or [])
+        return compose(config_name="train", overrides=expand_home_in_overrides(overrides or []))

@@ -6,13 +6,16 @@
 Any config key can be overridden on the command line; see configs/train.yaml.
 """
 
+import os
 import signal
 import sys
 
 import hydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from omegaconf import DictConfig
 
-from codatrain.config import register_configs
+from codatrain.config import expand_home_in_overrides, register_configs
 from codatrain.kernels.stages import BackendUnavailableError
 from codatrain.train.checkpoint import CheckpointError
 from codatrain.train.run_lock import RunDirError, create_run_dir
@@ -37,12 +40,20 @@ def main(cfg: DictConfig) -> None:
 
 
 def run_dir_argument(argv: list[str]) -> str | None:
-    """The `train.run_dir=` given on the command line, if any (the last one wins, as in Hydra)."""
-    values = [arg.split("=", 1)[1] for arg in argv if arg.lstrip("+").startswith("train.run_dir=")]
-    return values[-1] if values else None
+    """The `train.run_dir=` given on the command line, if any (the last one wins, as in Hydra), read
+    by Hydra's own override parser (quotes, escapes); None where Hydra will reject the argument."""
+    given = [arg for arg in argv if arg.lstrip("+").startswith("train.run_dir=")]
+    if not given:
+        return None
+    try:
+        value = OverridesParser.create().parse_override(given[-1]).value()
+    except HydraException:  # Hydra reports it, with its grammar
+        return None
+    return os.path.expanduser(value) if isinstance(value, str) else None
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = expand_home_in_overrides(sys.argv[1:])  # `train.run_dir=~/runs/x`, as a shell would
     # Hydra creates the run directory (hydra.run.dir) before main() runs and reports a failure as a
     # traceback: create it here first, so that a run dir that is a file or read-only is one line.
     run_dir = run_dir_argument(sys.argv[1:])

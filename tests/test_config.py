@@ -211,6 +211,27 @@ def test_help_lists_the_group_choices_without_the_schema_nodes():
     assert "schema" not in proc.stdout
 
 
+def test_a_home_path_is_expanded_and_never_a_folder_named_tilde(tmp_path, monkeypatch):
+    """Hydra keeps `~` as it is (and has no bare `~` in its grammar): a run directory `~/runs/x`
+    made a folder named `~` in the working directory, and `~` paths to data were not found."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    run = validate(load_config(["train.run_dir=~/runs/a", 'data.path="~/corpus"', "data.source=files",
+                                "checkpoint.init_from=~/hf", "kernels.cache_dir='~/kernels'"]))
+    assert (run.train.run_dir, run.data.path) == (f"{home}/runs/a", f"{home}/corpus")
+    assert (run.checkpoint.init_from, run.kernels.cache_dir) == (f"{home}/hf", f"{home}/kernels")
+    for given in ("train.run_dir=~/runs/b", 'train.run_dir="~/runs/c"'):
+        proc = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), given, "train.steps=1",
+                               "data=synthetic", "train.val_every=0", "checkpoint.at_end=false"], cwd=work,
+                              capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "HOME": str(home), "PYTHONPATH": str(REPO)})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(p.name for p in (home / "runs").iterdir()) == ["b", "c"]
+    assert (home / "runs" / "c" / ".hydra").is_dir() and not list(work.iterdir())
+
+
 def readme_train_commands() -> list[tuple[int, list[str]]]:
     """(processes, overrides) of every scripts/train.py command in the README's bash blocks."""
     commands = []

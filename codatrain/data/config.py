@@ -6,6 +6,7 @@ The checks run when the dataclass is built, so a bad value fails at the start of
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -42,6 +43,15 @@ class TextSampleBy(StrEnum):
     document = "document"
     paragraph = "paragraph"
     line = "line"
+
+
+def expand_home(node: object, *names: str) -> None:
+    """A leading `~` of the path fields `names`, expanded as a shell would: Hydra keeps it as it is,
+    so `~/runs/x` would make a folder named `~` in the working directory."""
+    for name in names:
+        value = getattr(node, name)
+        if isinstance(value, str) and value.startswith("~"):
+            setattr(node, name, os.path.expanduser(value))
 
 
 def require_positive(node: object, prefix: str, *names: str) -> None:
@@ -93,6 +103,7 @@ class DataConfig:
     sft_overlong: SFTOverlong = SFTOverlong.truncate  # sft: examples longer than seq_len + 1 tokens
 
     def __post_init__(self) -> None:
+        expand_home(self, "path", "val_path", "tokenizer", "cache_dir")
         require_positive(self, "data", "seq_len", "val_tokens")
         require_not_negative(self, "data", "shuffle_buffer", "num_workers")
         if self.max_documents is not None:
