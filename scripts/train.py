@@ -11,8 +11,10 @@ import signal
 import sys
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from codatrain.config import expand_home_in_overrides, register_configs
@@ -26,6 +28,8 @@ register_configs()
 
 @hydra.main(version_base=None, config_path="../configs", config_name="train")
 def main(cfg: DictConfig) -> None:
+    if HydraConfig.get().mode == RunMode.MULTIRUN:  # the job's own folder (configs/train.yaml: sweep)
+        cfg.train.run_dir = HydraConfig.get().runtime.output_dir
     try:
         result = train(cfg)
     except (ValueError, FileNotFoundError, BackendUnavailableError, CheckpointError, NonFiniteError,

@@ -230,6 +230,25 @@ def test_a_profile_the_run_cannot_complete_is_refused_or_named(tmp_path, capsys)
     assert "covers none: no profile is written" in capsys.readouterr().out
 
 
+def test_each_job_of_a_sweep_trains_in_a_run_directory_of_its_own(tmp_path):
+    """`-m optim.lr=a,b` with one train.run_dir: the second job used to resume the first one's last
+    checkpoint and train nothing, reporting it as done."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "train.py"), "-m", "optim.lr=1e-3,3e-3", "train.steps=2",
+         "data=synthetic", "train.log_every=1", f"train.run_dir={tmp_path / 'sweep'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed" not in proc.stdout
+    jobs = sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir())
+    # Named by the job's overrides (Hydra's override_dirname, train.run_dir left out).
+    assert jobs == [f"data=synthetic,optim.lr={lr},train.log_every=1,train.steps=2"
+                    for lr in ("0.001", "0.003")]
+    for job in jobs:
+        assert sorted(read_losses(tmp_path / "sweep" / job)) == [1, 2]
+        assert (tmp_path / "sweep" / job / "checkpoints" / "step_2").is_dir()
+
+
 def test_train_log_holds_the_console_and_the_run_ends_with_a_summary(tmp_path, capsys):
     result = run(tmp_path, "data=synthetic", "train.steps=4", "train.val_every=2", "train.log_every=2",
                  "checkpoint.at_end=true")
