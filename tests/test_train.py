@@ -16,7 +16,8 @@ from codatrain.config import load_config, validate
 from codatrain.kernels.stages import BackendUnavailableError
 from codatrain.train import trainer as trainer_module
 from codatrain.train.distributed import init_distributed
-from codatrain.train.logger import LOG_FILE, read_losses
+from codatrain.train.logger import LOG_FILE, read_losses, read_records
+from codatrain.train.optim import lr_factor
 from codatrain.train.plan import build_run_plan
 from codatrain.train.trainer import Trainer, train
 
@@ -247,6 +248,21 @@ def test_each_job_of_a_sweep_trains_in_a_run_directory_of_its_own(tmp_path):
     for job in jobs:
         assert sorted(read_losses(tmp_path / "sweep" / job)) == [1, 2]
         assert (tmp_path / "sweep" / job / "checkpoints" / "step_2").is_dir()
+
+
+def test_a_resumed_run_trains_with_its_own_optimizer_values_not_the_checkpoints(tmp_path, capsys):
+    """The checkpoint's parameter groups and scheduler state carry the lr and betas it was trained
+    with; they silently won over a changed optim.lr while the header printed the new one."""
+    run(tmp_path, "train.steps=3", "checkpoint.at_end=true")
+    capsys.readouterr()
+    run(tmp_path, "train.steps=6", "optim.lr=1e-2", "optim.beta2=0.99")
+    out = capsys.readouterr().out
+    assert "resumed with optim.lr=0.01 (the checkpoint was trained with 0.003)\n" in out
+    assert "resumed with optim.beta2=0.99 (the checkpoint was trained with 0.95)\n" in out
+    optim = validate(load_config([*FAST, "train.steps=6", "optim.lr=1e-2"])).optim
+    lrs = {r["step"]: r["lr"] for r in read_records(tmp_path) if "lr" in r}
+    assert [lrs[step] for step in (4, 5, 6)] == pytest.approx([1e-2 * lr_factor(step - 1, 6, optim)
+                                                               for step in (4, 5, 6)], rel=1e-12)
 
 
 def test_train_log_holds_the_console_and_the_run_ends_with_a_summary(tmp_path, capsys):

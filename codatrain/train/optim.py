@@ -10,6 +10,12 @@ from torch import nn
 from codatrain.config import OptimConfig
 
 
+def group_hyperparameters(cfg: OptimConfig) -> list[dict[str, float | tuple[float, float]]]:
+    """AdamW's values per parameter group: the matrices (weight decay), then the rest (none)."""
+    shared = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps}
+    return [{**shared, "weight_decay": cfg.weight_decay}, {**shared, "weight_decay": 0.0}]
+
+
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     """Weight decay on matrices only (not on norm weights); torch's fused kernels (CUDA and CPU),
     which take the device-side skip flag of `update_unless`."""
@@ -17,13 +23,34 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(
-        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=True
-    )
+    groups = [{"params": params, **values}
+              for params, values in zip((decay, no_decay), group_hyperparameters(cfg), strict=True)]
+    return torch.optim.AdamW(groups, fused=True)
+
+
+def apply_recipe(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
+                 cfg: OptimConfig) -> list[str]:
+    """After a resume, the run's optim.* values in force: a checkpoint's parameter groups and
+    scheduler state carry the values it was trained with, which would otherwise silently win over
+    the config the run's header prints. The next step's learning rate follows the run's schedule.
+    Returns what changed, `key=new (the checkpoint was trained with old)` each, for the log."""
+    changes = {}
+    for group, values, base in zip(optimizer.param_groups, group_hyperparameters(cfg), scheduler.base_lrs,
+                                   strict=True):
+        saved = {"optim.lr": base, "optim.beta1": group["betas"][0], "optim.beta2": group["betas"][1],
+                 "optim.eps": group["eps"], "optim.weight_decay": group["weight_decay"]}
+        wanted = {"optim.lr": cfg.lr, "optim.beta1": cfg.beta1, "optim.beta2": cfg.beta2,
+                  "optim.eps": cfg.eps, "optim.weight_decay": values["weight_decay"]}
+        for key, value in wanted.items():
+            if saved[key] != value:
+                changes.setdefault(key, f"{key}={value} (the checkpoint was trained with {saved[key]})")
+        group.update(betas=values["betas"], eps=values["eps"], weight_decay=values["weight_decay"],
+                     initial_lr=cfg.lr)
+    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+    for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas,
+                                   strict=True):
+        group["lr"] = base * factor(scheduler.last_epoch)
+    return list(changes.values())
 
 
 def update_unless(optimizer: torch.optim.Optimizer, nonfinite: torch.Tensor,

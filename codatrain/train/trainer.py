@@ -43,7 +43,7 @@ from codatrain.train.metrics import (
     resident_memory_gib,
     throughput,
 )
-from codatrain.train.optim import build_optimizer, build_scheduler, update_unless
+from codatrain.train.optim import apply_recipe, build_optimizer, build_scheduler, update_unless
 from codatrain.train.parallelize import (
     apply_activation_checkpointing,
     apply_compile,
@@ -160,6 +160,9 @@ class Trainer:
             fp8_scaling=self.fp8_scaling,
         )
         self.step = self.checkpointer.restore()
+        if self.step > 0:  # resumed: the optimizer's values are this run's config, not the checkpoint's
+            for change in apply_recipe(self.optimizer, self.scheduler, run.optim):
+                self.logger.info(f"resumed with {change}")
         # Loop state: steps skipped as non-finite, the time since the last record and in this run,
         # and the bad data rows and allocator retries (the count at the last warning) already reported.
         self.skipped_steps, self.window, self.run_time = 0, StepTime(), StepTime()
@@ -386,7 +389,7 @@ class Trainer:
     def complete_step(self) -> float:
         """The host's part of a finite step, whose update train_step launched: advance the schedule
         (and the FP8 amax history), drop the gradients; returns the lr the update used."""
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         if self.fp8_scaling is not None:
             self.fp8_scaling.commit_step()
