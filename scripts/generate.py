@@ -16,6 +16,7 @@ plain template; it prints the reply only.
 
 import argparse
 import math
+import os
 import sys
 
 import torch
@@ -24,6 +25,7 @@ from codatrain.data.sft import generation_prompt
 from codatrain.data.tokenizer import load_tokenizer
 from codatrain.model import Llama
 from codatrain.model.generate import generate
+from codatrain.model.hf import hub_id_hint
 from codatrain.train.checkpoint import CheckpointError, inspect_checkpoint
 from codatrain.train.hf_io import is_checkpoint, load_init_weights, saved_architecture, saved_tokenizer
 
@@ -59,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     check_sampling(parser, args)
     try:
         check_device(args.device)
+        if not os.path.exists(args.path):  # before a tokenizer line that would not apply
+            raise FileNotFoundError(f"{args.path}: no such file or directory{hub_id_hint(args.path)}")
         tokenizer_spec = args.tokenizer or saved_tokenizer(args.path) or "byte"
         tokenizer = load_tokenizer(tokenizer_spec,
                                    setting="--tokenizer" if args.tokenizer else "saved with the weights")

@@ -214,7 +214,7 @@ def test_script_on_a_training_checkpoint_and_its_hf_export(tmp_path, capsys):
     assert out == words.decode(tokens[0].tolist()) + "\n" and out.startswith("hello world")
 
     assert script.main([str(tmp_path / "missing"), *argv]) == 1
-    assert "error:" in capsys.readouterr().err
+    assert capsys.readouterr().err == f"error: {tmp_path / 'missing'}: no such file or directory\n"
     # The run directory for one of its checkpoints: named as such, with the newest.
     assert script.main([str(tmp_path / "run"), *argv]) == 1
     assert f"holds checkpoints: pass one, e.g. the newest, {checkpoint}\n" in capsys.readouterr().err
