@@ -11,6 +11,7 @@ another) each node checks in `__post_init__`, which runs when `validate` builds 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import typing
 from dataclasses import dataclass, field
@@ -346,6 +347,32 @@ def expand_home_in_overrides(overrides: list[str]) -> list[str]:
         key, sep, value = override.partition("=")
         expanded.append(f"{key}={os.path.expanduser(value)}" if sep and value.startswith("~") else override)
     return expanded
+
+
+def schema_keys(node: type = None, prefix: str = "") -> set[str]:
+    """Every key of the run schema (`train.steps`, `logger.wandb.mode`, ...), the groups' names too."""
+    node = node or RunConfig
+    hints = typing.get_type_hints(node)
+    keys = set()
+    for f in dataclasses.fields(node):
+        keys.add(prefix + f.name)
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys |= schema_keys(hints[f.name], f"{prefix}{f.name}.")
+    return keys
+
+
+def unknown_override_key(overrides: list[str]) -> str | None:
+    """The first `key=value` override whose key the schema lacks, with the nearest key, as a line:
+    Hydra's own message offers `+key=value` (which then fails) for what is most often a typo."""
+    keys = schema_keys()
+    for override in overrides:
+        key, sep, _ = override.partition("=")
+        if not sep or key.startswith(("+", "~", "-", "hydra.")) or "@" in key or key in keys:
+            continue
+        near = difflib.get_close_matches(key, keys, n=1)
+        return (f"unknown config key {key!r}" + (f"; did you mean {near[0]}?" if near else "")
+                + " (docs/config.md lists every key)")
+    return None
 
 
 def validate(cfg: DictConfig) -> RunConfig:

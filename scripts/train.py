@@ -17,7 +17,7 @@ from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from codatrain.config import expand_home_in_overrides, register_configs
+from codatrain.config import expand_home_in_overrides, register_configs, unknown_override_key
 from codatrain.kernels.stages import BackendUnavailableError
 from codatrain.train.checkpoint import CheckpointError
 from codatrain.train.run_lock import RunDirError, create_run_dir
@@ -58,6 +58,8 @@ def run_dir_argument(argv: list[str]) -> str | None:
 
 if __name__ == "__main__":
     sys.argv[1:] = expand_home_in_overrides(sys.argv[1:])  # `train.run_dir=~/runs/x`, as a shell would
+    if (unknown := unknown_override_key(sys.argv[1:])) is not None:
+        sys.exit(f"error: {unknown}")
     # Hydra creates the run directory (hydra.run.dir) before main() runs and reports a failure as a
     # traceback: create it here first, so that a run dir that is a file or read-only is one line.
     run_dir = run_dir_argument(sys.argv[1:])

@@ -10,7 +10,7 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from codatrain.config import load_config, model_config, validate
+from codatrain.config import load_config, model_config, unknown_override_key, validate
 from codatrain.model.config import LlamaConfig, get_preset
 from codatrain.train.trainer import train
 
@@ -242,6 +242,26 @@ def readme_train_commands() -> list[tuple[int, list[str]]]:
                 nproc = next((int(w.split("=")[1]) for w in words if w.startswith("--nproc_per_node=")), 1)
                 commands.append((nproc, words[words.index("scripts/train.py") + 1:]))
     return commands
+
+
+def test_a_misspelt_key_is_one_line_with_the_nearest_key_and_every_readme_key_is_known(tmp_path):
+    assert unknown_override_key(["train.stesp=3"]) == ("unknown config key 'train.stesp'; did you mean "
+                                                       "train.steps? (docs/config.md lists every key)")
+    assert unknown_override_key(["logger.wandb.mod=offline"]).startswith(
+        "unknown config key 'logger.wandb.mod'; did you mean logger.wandb.mode?")
+    others = ["+train.new=1", "~data.path", "hydra.verbose=true", "-m", "model=tiny"]
+    assert unknown_override_key(others) is None  # forced, deleted, Hydra's own, flags, groups
+    commands = readme_train_commands()
+    assert len(commands) >= 10
+    for _, overrides in commands:
+        assert unknown_override_key(overrides) is None, overrides
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), "model.nlayers=2",
+                           f"train.run_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 1
+    assert proc.stderr == ("error: unknown config key 'model.nlayers'; did you mean model.n_layers? "
+                           "(docs/config.md lists every key)\n")
+    assert not (tmp_path / "run").exists()
 
 
 def test_every_readme_training_command_has_a_batch_its_micro_batches_divide():
