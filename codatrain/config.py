@@ -349,7 +349,7 @@ def expand_home_in_overrides(overrides: list[str]) -> list[str]:
     return expanded
 
 
-def schema_keys(node: type = None, prefix: str = "") -> set[str]:
+def schema_keys(node: type | None = None, prefix: str = "") -> set[str]:
     """Every key of the run schema (`train.steps`, `logger.wandb.mode`, ...), the groups' names too."""
     node = node or RunConfig
     hints = typing.get_type_hints(node)
