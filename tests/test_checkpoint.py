@@ -120,7 +120,7 @@ def test_resume_continues_bit_exactly(tmp_path):
     assert run.ckpt.restore() == 0
     for _ in range(3):
         run.step()
-    run.ckpt.save(3)
+    run.ckpt.save(3, tokens_seen=3 * 512)
     expected = [run.step() for _ in range(3)]
 
     resumed = Run(tmp_path)
@@ -136,13 +136,13 @@ def test_layouts_share_one_canonical_checkpoint(tmp_path):
     canonical tensors."""
     eager = Run(tmp_path / "a")
     eager.step()
-    eager.ckpt.save(1)
+    eager.ckpt.save(1, tokens_seen=1 * 512)
     permuted = Run(tmp_path / "b", model_cls=PermutedLlama, resume=str(tmp_path / "a/checkpoints/step_1"))
     assert permuted.ckpt.restore() == 1
     qkv = "layers.0.self_attn.qkv_proj.weight"
     assert torch.equal(permuted.model.get_parameter(qkv), eager.model.get_parameter(qkv).flip(0))
     assert_same(permuted.canonical(), eager.canonical())
-    permuted.ckpt.save(1)
+    permuted.ckpt.save(1, tokens_seen=1 * 512)
     back = Run(tmp_path / "c", resume=str(tmp_path / "b/checkpoints/step_1"))
     back.ckpt.restore()
     assert_same(back.canonical(), eager.canonical())
@@ -152,7 +152,7 @@ def test_wrapper_prefixes_stay_out_of_checkpoints(tmp_path):
     wrapped = Run(tmp_path / "a", wrap=True)
     assert any("_checkpoint_wrapped_module" in name for name, _ in wrapped.model.named_parameters())
     wrapped.step()
-    step_dir = wrapped.ckpt.save(1)
+    step_dir = wrapped.ckpt.save(1, tokens_seen=1 * 512)
     plain = Run(tmp_path / "b", resume=str(step_dir))
     assert plain.ckpt.restore() == 1
     assert_same(plain.canonical(), wrapped.canonical())
@@ -173,7 +173,7 @@ def test_the_trainers_init_of_a_wrapped_model_equals_the_models_own(model_cls):
 def test_resuming_and_importing_unpickle_nothing(tmp_path, monkeypatch):
     run = Run(tmp_path)
     run.step()
-    run.ckpt.save(1)
+    run.ckpt.save(1, tokens_seen=1 * 512)
     save_hf(tmp_path / "hf", CFG, run.model.state_dict().items())
 
     def refuse(*args, **kwargs):
@@ -217,9 +217,9 @@ def _overwrite_start(path: Path):
 def test_corrupted_checkpoint_is_skipped_by_auto_and_an_error_when_named(tmp_path, corruption):
     run = Run(tmp_path, keep_last=0)
     run.step()
-    run.ckpt.save(1)
+    run.ckpt.save(1, tokens_seen=1 * 512)
     run.step()
-    run.ckpt.save(2)
+    run.ckpt.save(2, tokens_seen=2 * 512)
     bad = tmp_path / "checkpoints/step_2"
     CORRUPTIONS[corruption](bad)
     with pytest.raises(CheckpointError):
@@ -235,7 +235,7 @@ def test_corrupted_checkpoint_is_skipped_by_auto_and_an_error_when_named(tmp_pat
 def test_interrupted_save_is_ignored_and_cleaned_up(tmp_path):
     run = Run(tmp_path)
     run.step()
-    run.ckpt.save(1)
+    run.ckpt.save(1, tokens_seen=1 * 512)
     for name in (".tmp-step_2", ".tmp-step_9"):  # what crashes in the middle of saves leave
         stale = tmp_path / "checkpoints" / name
         stale.mkdir()
@@ -243,7 +243,7 @@ def test_interrupted_save_is_ignored_and_cleaned_up(tmp_path):
         (stale / "optimizer-partial.bin").write_bytes(b"partial")
     assert Run(tmp_path).ckpt.restore() == 1
     run.step()
-    run.ckpt.save(2)
+    run.ckpt.save(2, tokens_seen=2 * 512)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1", "step_2"]
     # The new checkpoint holds what its manifest lists, nothing of the crashed save's files.
     step_2 = tmp_path / "checkpoints/step_2"
@@ -264,9 +264,9 @@ def test_an_export_interrupted_before_clears_its_partial_folder(tmp_path):
 def test_saving_a_step_again_replaces_its_checkpoint(tmp_path):
     run = Run(tmp_path)
     run.step()
-    run.ckpt.save(1)
+    run.ckpt.save(1, tokens_seen=1 * 512)
     run.step()
-    run.ckpt.save(1)  # the same step again: the new checkpoint takes the old one's place
+    run.ckpt.save(1, tokens_seen=1 * 512)  # the same step again: the new checkpoint takes the old one's place
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]
     resumed = Run(tmp_path)
     assert resumed.ckpt.restore() == 1
@@ -279,7 +279,7 @@ def test_keep_last_prunes_older_checkpoints(tmp_path, keep_last, kept):
     run = Run(tmp_path, keep_last=keep_last)
     for step in range(1, 5):
         run.step()
-        run.ckpt.save(step)
+        run.ckpt.save(step, tokens_seen=step * 512)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == kept
 
 
@@ -289,11 +289,11 @@ def test_the_checkpoint_just_saved_is_never_pruned(tmp_path):
     run = Run(tmp_path, keep_last=0)
     for step in (1, 2, 3, 4):
         run.step()
-        run.ckpt.save(step)
+        run.ckpt.save(step, tokens_seen=step * 512)
     branch = Run(tmp_path, resume=str(tmp_path / "checkpoints/step_1"), keep_last=1)
     assert branch.ckpt.restore() == 1
     branch.step()
-    assert branch.ckpt.save(2).is_dir()
+    assert branch.ckpt.save(2, tokens_seen=2 * 512).is_dir()
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2", "step_4"]
 
 
@@ -303,7 +303,7 @@ def test_saving_reads_each_earlier_checkpoint_once(tmp_path, monkeypatch):
     run = Run(tmp_path, keep_last=0)
     for step in (1, 2):
         run.step()
-        run.ckpt.save(step)
+        run.ckpt.save(step, tokens_seen=step * 512)
     resumed = Run(tmp_path, keep_last=5)
     assert resumed.ckpt.restore() == 2
     inspected = []
@@ -315,20 +315,20 @@ def test_saving_reads_each_earlier_checkpoint_once(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpointer, "inspect_checkpoint", recording)
     for step in (3, 4):
         resumed.step()
-        resumed.ckpt.save(step)
+        resumed.ckpt.save(step, tokens_seen=step * 512)
     assert inspected == ["step_1"]
 
 
 def test_every_step_saves_and_exports_with_an_interval_of_one(tmp_path):
     run = Run(tmp_path, every=1, save_hf_every=1)
-    run.ckpt.after_step(1, total_steps=3)
+    run.ckpt.after_step(1, total_steps=3, tokens_seen=512)
     assert (tmp_path / "checkpoints/step_1").is_dir() and (tmp_path / "hf/step_1").is_dir()
 
 
 def test_resume_none_refuses_to_mix_with_existing_checkpoints(tmp_path):
     run = Run(tmp_path)
     run.step()
-    run.ckpt.save(1)
+    run.ckpt.save(1, tokens_seen=1 * 512)
     with pytest.raises(CheckpointError) as error:
         Run(tmp_path, resume="none").ckpt.restore()
     assert str(error.value) == (
@@ -348,12 +348,12 @@ def test_a_resume_value_that_is_neither_a_keyword_nor_a_directory_lists_the_choi
 def test_an_interrupted_finetuning_run_resumes_its_own_checkpoint_not_init_from(tmp_path):
     base = Run(tmp_path / "base")
     base.step()
-    init_from = base.ckpt.save(1)
+    init_from = base.ckpt.save(1, tokens_seen=1 * 512)
     finetune = Run(tmp_path / "ft", init_from=str(init_from))
     assert finetune.ckpt.restore() == 0
     for _ in range(2):
         finetune.step()
-    own = finetune.ckpt.save(2)
+    own = finetune.ckpt.save(2, tokens_seen=2 * 512)
     again = Run(tmp_path / "ft", init_from=str(init_from))
     assert again.ckpt.restore() == 2
     assert_same(again.canonical(), finetune.canonical())
@@ -364,7 +364,7 @@ def test_an_interrupted_finetuning_run_resumes_its_own_checkpoint_not_init_from(
 def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
     run = Run(tmp_path)
     run.step()
-    run.ckpt.save(1)
+    run.ckpt.save(1, tokens_seen=1 * 512)
     manifest_path = tmp_path / "checkpoints/step_1/checkpoint.json"
     manifest = json.loads(manifest_path.read_text())
     manifest["model_config"]["n_layers"] = 3
@@ -383,19 +383,20 @@ def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
 
 def test_a_stop_saves_when_the_last_checkpoint_or_the_start_is_stop_save_after_steps_back(tmp_path):
     run = Run(tmp_path, stop_save_after=2)
-    assert run.ckpt.on_stop(1) is None  # one step after the start: nothing saved
-    step_2 = run.ckpt.on_stop(2)
+    assert run.ckpt.on_stop(1, tokens_seen=1 * 512) is None  # one step after the start: nothing saved
+    step_2 = run.ckpt.on_stop(2, tokens_seen=2 * 512)
     assert step_2 == tmp_path / "checkpoints/step_2" and step_2.is_dir()
-    assert run.ckpt.on_stop(3) == step_2  # one step after step 2: that one is kept
+    assert run.ckpt.on_stop(3, tokens_seen=3 * 512) == step_2  # one step after step 2: that one is kept
     resumed = Run(tmp_path, stop_save_after=2)
     assert resumed.ckpt.restore() == 2
-    assert resumed.ckpt.on_stop(3) == step_2  # the checkpoint resumed from counts as the last one
-    assert Run(tmp_path / "off", stop_save_after=0).ckpt.on_stop(5) is None
+    # the checkpoint resumed from counts as the last one
+    assert resumed.ckpt.on_stop(3, tokens_seen=3 * 512) == step_2
+    assert Run(tmp_path / "off", stop_save_after=0).ckpt.on_stop(5, tokens_seen=5 * 512) is None
     assert not (tmp_path / "off/checkpoints").exists()
 
 
 def test_init_from_a_checkpoint_of_another_model_names_it(tmp_path):
-    step_1 = Run(tmp_path / "a").ckpt.save(1)
+    step_1 = Run(tmp_path / "a").ckpt.save(1, tokens_seen=1 * 512)
     wider = CFG.replace(ffn_dim=2 * CFG.ffn_dim)
     model = Llama(wider)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -411,7 +412,7 @@ def test_init_from_a_checkpoint_of_another_model_names_it(tmp_path):
 
 
 def test_a_checkpoint_with_another_number_of_parameter_groups_is_a_clear_error(tmp_path):
-    step_1 = Run(tmp_path / "a").ckpt.save(1)
+    step_1 = Run(tmp_path / "a").ckpt.save(1, tokens_seen=1 * 512)
     model = Llama(CFG)
     decay = [p for p in model.parameters() if p.ndim == 2]
     no_decay = [p for p in model.parameters() if p.ndim != 2]
@@ -429,7 +430,7 @@ def test_a_loader_state_that_is_not_json_is_a_one_line_save_error(tmp_path):
     run.loaders["train"].offset = {1, 2}  # a set: not JSON-serializable
     not_json = r"\(TypeError: the data-loader state must be JSON-serializable: Object of type set is not JSON"
     with pytest.raises(CheckpointError, match=not_json):
-        run.ckpt.save(1)
+        run.ckpt.save(1, tokens_seen=1 * 512)
     assert list((tmp_path / "checkpoints").iterdir()) == []
 
 
@@ -437,7 +438,7 @@ def test_resume_restores_the_rng_and_starts_a_loader_without_saved_state_over(tm
     run = Run(tmp_path)
     run.step()
     torch.rand(1)  # the RNG state saved is not the one a fresh Run starts from
-    step_1 = run.ckpt.save(1)
+    step_1 = run.ckpt.save(1, tokens_seen=1 * 512)
     state = json.loads((step_1 / "rank_00000.json").read_text())
     del state["loaders"]["val"]  # as if the run had no validation data when it saved
     manifest = json.loads((step_1 / "checkpoint.json").read_text())
@@ -481,7 +482,8 @@ def test_resuming_two_ranks_state_on_one_keeps_what_was_the_same_on_every_rank(t
     run = Run(tmp_path)
     run.step()
     torch.rand(1)  # the RNG state saved is not the one a fresh Run starts from
-    saved = _as_if_saved_by_two_ranks(run.ckpt.save(1), val_offsets=(5, 5), same_rng=same_rng)
+    saved = _as_if_saved_by_two_ranks(run.ckpt.save(1, tokens_seen=512), val_offsets=(5, 5),
+                                      same_rng=same_rng)
     torch.manual_seed(1234)
     before = torch.get_rng_state()
     resumed = Run(tmp_path)  # seeds torch with 0
@@ -513,7 +515,7 @@ def _reshard_on_two(rank: int, tmp: Path) -> None:
     if rank == 0:
         save_file(loaded, str(tmp / "loaded_on_two.safetensors"))
     run.step()
-    run.ckpt.save(2)  # 2 -> 1 in the test
+    run.ckpt.save(2, tokens_seen=2 * 512)  # 2 -> 1 in the test
     trained = run.canonical()
     if rank == 0:
         save_file(trained, str(tmp / "saved_by_two.safetensors"))
@@ -525,7 +527,7 @@ def _disk_full(self, data):
 
 def _rank0_decides(rank: int, tmp: Path) -> None:
     for run_dir in ("fresh", "stale"):
-        Run(tmp / run_dir, shard=True, rank=rank).ckpt.save(9)
+        Run(tmp / run_dir, shard=True, rank=rank).ckpt.save(9, tokens_seen=9 * 512)
     outcomes = {}
     for case, run_dir, resume in [
         ("resume=none", "stale", "none"),
@@ -542,7 +544,7 @@ def _rank0_decides(rank: int, tmp: Path) -> None:
         if rank == 1:
             patch.setattr(checkpoint_files.HashingStream, "write", _disk_full)
         try:
-            full_disk.ckpt.save(3)
+            full_disk.ckpt.save(3, tokens_seen=3 * 512)
         except CheckpointError as error:
             outcomes["disk full on rank 1"] = str(error)
     (tmp / f"outcomes_{rank}.json").write_text(json.dumps(outcomes))
@@ -570,13 +572,13 @@ def two_ranks(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("two_ranks")
     one = Run(tmp / "reshard/one")
     one.step()
-    one.ckpt.save(1)
+    one.ckpt.save(1, tokens_seen=1 * 512)
     saved_by_one = one.canonical()
 
     rank0 = tmp / "rank0"
     decider = Run(rank0 / "one")
     decider.step()
-    source = decider.ckpt.save(1)
+    source = decider.ckpt.save(1, tokens_seen=1 * 512)
     for name in ("missing_rank_file", "odd_manifest"):
         shutil.copytree(source, rank0 / name)
     (rank0 / "missing_rank_file/rank_00000.json").unlink()
@@ -695,7 +697,7 @@ def test_a_sharded_model_saves_and_resumes_the_canonical_checkpoint_of_a_plain_o
                                                                                    one_process_group):
     sharded = Run(tmp_path / "a", model_cls=PermutedLlama, shard=True)
     sharded.step()
-    step_1 = sharded.ckpt.save(1)
+    step_1 = sharded.ckpt.save(1, tokens_seen=1 * 512)
     plain = Run(tmp_path / "b", resume=str(step_1))
     assert plain.ckpt.restore() == 1
     assert_same(plain.canonical(), sharded.canonical())

@@ -398,7 +398,7 @@ def test_export_script_turns_a_training_checkpoint_into_a_transformers_model(tmp
     optimizer = torch.optim.AdamW(model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     ckpt = Checkpointer(CheckpointConfig(), tmp_path / "run", CFG, model, optimizer, scheduler, {}, print)
-    step_dir = ckpt.save(7)
+    step_dir = ckpt.save(7, tokens_seen=7 * 512)
 
     script = Path(__file__).resolve().parent.parent / "scripts" / "export_hf.py"
     spec = importlib.util.spec_from_file_location("export_hf", script)
@@ -437,7 +437,7 @@ def test_an_export_names_the_tokenizers_delimiters_and_carries_a_hugging_face_to
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     ckpt = Checkpointer(CheckpointConfig(), tmp_path / "run", CFG, model, optimizer, scheduler, {}, print,
                         tokenizer=spec)
-    export_checkpoint_to_hf(ckpt.save(1), tmp_path / "hf")
+    export_checkpoint_to_hf(ckpt.save(1, tokens_seen=1 * 512), tmp_path / "hf")
     for out in (tmp_path / "hf", ckpt.export_hf(1)):
         delimiters = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
         assert json.loads((out / "config.json").read_text()).items() >= delimiters.items()

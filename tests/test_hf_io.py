@@ -23,7 +23,7 @@ def saved_checkpoint(run_dir, dtype=torch.float32):
     optimizer = torch.optim.AdamW(model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     ckpt = Checkpointer(CheckpointConfig(), run_dir, CFG, model, optimizer, scheduler, {}, print)
-    return model, ckpt.save(1)
+    return model, ckpt.save(1, tokens_seen=1 * 512)
 
 
 @pytest.mark.parametrize("group_bytes", [1, 40_000, 1 << 30])

@@ -50,7 +50,7 @@ def test_the_architecture_and_weights_come_from_an_hf_folder_or_a_checkpoint(tmp
     assert run.flops_per_token == FOLDER_CFG.flops_per_token(32)
     for name, param in run.model.named_parameters():
         assert torch.equal(param.full_tensor(), source.state_dict()[name]), name
-    run.checkpointer.save(1)
+    run.checkpointer.save(1, tokens_seen=1 * 512)
     run.close()
     checkpoint = tmp_path / "run/checkpoints/step_1"
     again = trainer(tmp_path / "again", "model=hf", f"checkpoint.init_from={checkpoint}")

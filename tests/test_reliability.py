@@ -32,7 +32,7 @@ def saved_run(tmp_path, steps=(1, 2), **ckpt) -> Run:
     run = Run(tmp_path, keep_last=0, **ckpt)
     for step in steps:
         run.step()
-        run.ckpt.save(step)
+        run.ckpt.save(step, tokens_seen=step * 512)
     return run
 
 
@@ -65,7 +65,7 @@ def test_a_broken_newest_checkpoint_never_prunes_good_ones(tmp_path, keep_last, 
     resumed = Run(tmp_path, keep_last=keep_last)
     assert resumed.ckpt.restore() == 1
     resumed.step()
-    resumed.ckpt.save(2)
+    resumed.ckpt.save(2, tokens_seen=2 * 512)
     # Counted: step_2 and step_1 (good); step_5 is broken, left for inspection, and not counted.
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == kept
 
@@ -102,7 +102,7 @@ def test_version_1_checkpoints_without_checksums_still_resume_with_a_warning(tmp
             assert run.ckpt.restore() == 2
         for step in (3, 4):
             run.step()
-            run.ckpt.save(step)
+            run.ckpt.save(step, tokens_seen=step * 512)
     assert sum("without checksums" in line and "cannot be verified" in line for line in run.logs) == 1
 
 
@@ -241,14 +241,14 @@ def test_disk_full_during_a_save_removes_the_partial_folder_and_keeps_the_last_c
     with monkeypatch.context() as patch:
         patch.setattr(checkpoint_files.HashingStream, "write", disk_full)
         with pytest.raises(CheckpointError) as error:
-            run.ckpt.save(2)
+            run.ckpt.save(2, tokens_seen=2 * 512)
     message = str(error.value)
     assert "step_2 failed (OSError on rank 0: [Errno 28] No space left on device)" in message
     assert message.endswith("removed the partial .tmp-step_2, earlier checkpoints are kept")
     assert "\n" not in message
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_1"]
     assert Run(tmp_path).ckpt.restore() == 1
-    run.ckpt.save(2)  # with room again the same run saves
+    run.ckpt.save(2, tokens_seen=2 * 512)  # with room again the same run saves
     assert inspect_checkpoint(tmp_path / "checkpoints/step_2")["step"] == 2
 
 
@@ -261,7 +261,7 @@ def test_a_checkpoints_folder_that_cannot_be_made_is_a_checkpoint_error(tmp_path
 
     monkeypatch.setattr(Path, "mkdir", read_only)
     with pytest.raises(CheckpointError, match=r"^OSError: \[Errno 30\] Read-only file system$"):
-        run.ckpt.save(1)
+        run.ckpt.save(1, tokens_seen=1 * 512)
 
 
 def test_saving_a_step_again_where_its_old_copy_cannot_be_removed_is_a_checkpoint_error(
@@ -280,7 +280,7 @@ def test_saving_a_step_again_where_its_old_copy_cannot_be_removed_is_a_checkpoin
     monkeypatch.setattr(shutil, "rmtree", busy_old_copies)
     with pytest.raises(CheckpointError, match=r"saving .*step_1 failed \(\[Errno 16\] "
                                               r"Device or resource busy: '.*\.tmp-old-step_1'\)"):
-        run.ckpt.save(1)
+        run.ckpt.save(1, tokens_seen=1 * 512)
     monkeypatch.undo()
     assert Run(tmp_path).ckpt.restore() == 1
     assert inspect_checkpoint(tmp_path / "checkpoints/step_1")["step"] == 1

@@ -295,3 +295,15 @@ def test_readme_multiprocess_example_has_its_own_run_dir():
     command = "torchrun --nproc_per_node=2 scripts/train.py"
     lines = [line for line in readme.splitlines() if line.startswith(command)]
     assert lines and all("train.run_dir=" in line for line in lines)
+
+
+def test_tokens_seen_are_counted_across_a_resume_with_another_batch_size(tmp_path, capsys):
+    """The summary and the metrics count the tokens each step trained: 3 steps of 16 × 128 tokens,
+    then 2 of 32 × 128 after the resume (step × this run's tokens_per_step said 20,480)."""
+    run(tmp_path, "data=synthetic", "train.steps=3", "train.micro_batch_size=16", "checkpoint.at_end=true")
+    capsys.readouterr()
+    run(tmp_path, "data=synthetic", "train.steps=5", "train.micro_batch_size=32")
+    summary = capsys.readouterr().out.splitlines()[-1]
+    assert "14,336 tokens seen" in summary
+    seen = {r["step"]: r["tokens_seen"] for r in read_records(tmp_path) if "tokens_seen" in r}
+    assert seen == {1: 2048, 2: 4096, 3: 6144, 4: 10240, 5: 14336}

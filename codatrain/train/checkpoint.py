@@ -344,10 +344,11 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 # ---- a whole training state ----------------------------------------------------------------------
 def write_checkpoint(directory: Path, step: int, model_cfg: LlamaConfig, model: nn.Module,
                      optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-                     loaders: Mapping[str, Stateful], mapping: CanonicalMapping,
+                     loaders: Mapping[str, Stateful], mapping: CanonicalMapping, tokens_seen: int,
                      tokenizer: str = "byte", fp8_scaling: Fp8Scaling | None = None) -> None:
     """Every rank writes its tensors and state into the existing `directory`; then rank 0 copies
-    the files of `tokenizer` (a data.tokenizer spec) and writes the manifest, last, with every
+    the files of `tokenizer` (a data.tokenizer spec) and writes the manifest, last, with
+    `tokens_seen` (the tokens of the steps trained up to `step`, over every rank) and every
     file's size and checksum. An error on any rank is raised on every rank (as a
     CheckpointError), so none waits for the others forever."""
     rank = process_rank()
@@ -378,7 +379,8 @@ def write_checkpoint(directory: Path, step: int, model_cfg: LlamaConfig, model: 
         files = {name: record for rank_written, _ in outcomes for name, record in rank_written.items()}
         tokenizer_record, files_of_tokenizer = _save_tokenizer(directory, tokenizer)
         manifest = {
-            "format": FORMAT, "version": FORMAT_VERSION, "step": step, "world_size": _world_size(),
+            "format": FORMAT, "version": FORMAT_VERSION, "step": step, "tokens_seen": tokens_seen,
+            "world_size": _world_size(),
             "model_config": dataclasses.asdict(model_cfg), "tokenizer": tokenizer_record,
             "scheduler": scheduler.state_dict(),
             "optimizer_param_groups": param_groups,

@@ -60,6 +60,9 @@ class Checkpointer:
         # only verified ones and reads each at most once.
         self.verified: set[Path] = set()
         self.last_saved: tuple[int, Path] | None = None  # (step, directory) resumed from or saved last
+        # The tokens trained before the step restore() returned, as the checkpoint counted them (None:
+        # a checkpoint saved before they were recorded, or no resume).
+        self.resumed_tokens_seen: int | None = None
 
     # ---- restore ------------------------------------------------------------------------------
     def restore(self) -> int:
@@ -118,7 +121,8 @@ class Checkpointer:
         """Load everything from a checkpoint directory; returns its step. A checkpoint trained with
         another tokenizer than this run's is a CheckpointError: its data state and weights belong
         to that tokenizer's ids."""
-        recorded = inspect_checkpoint(path, verify=False).get("tokenizer")
+        manifest = inspect_checkpoint(path, verify=False)
+        recorded = manifest.get("tokenizer")
         if recorded is not None and recorded["fingerprint"] != load_tokenizer(self.tokenizer).fingerprint:
             raise CheckpointError(
                 f"{path} was trained with the tokenizer {recorded['source']}, this run's is "
@@ -128,27 +132,30 @@ class Checkpointer:
         step = load_checkpoint(path, self.model_cfg, self.model, self.optimizer, self.scheduler, self.loaders,
                                self.mapping, self.log, self.fp8_scaling)
         self.last_saved = (step, path)
+        self.resumed_tokens_seen = manifest.get("tokens_seen")
         return step
 
     # ---- save ---------------------------------------------------------------------------------
-    def after_step(self, step: int, total_steps: int) -> None:
-        """Save a checkpoint and/or an HF export when one is due after optimizer step `step`."""
+    def after_step(self, step: int, total_steps: int, tokens_seen: int) -> None:
+        """Save a checkpoint and/or an HF export when one is due after optimizer step `step`, which
+        ended with `tokens_seen` tokens trained."""
         final = step == total_steps
         if (self.cfg.every > 0 and step % self.cfg.every == 0) or (final and self.cfg.at_end):
-            self.save(step)
+            self.save(step, tokens_seen)
         if self.cfg.save_hf_every > 0 and (step % self.cfg.save_hf_every == 0 or final):
             self.export_hf(step)
 
-    def on_stop(self, step: int) -> Path | None:
+    def on_stop(self, step: int, tokens_seen: int) -> Path | None:
         """The checkpoint a run stopped by a signal after `step` leaves: a new one when the last (or
         the start) is `checkpoint.stop_save_after` or more steps old, else the last one (None: none)."""
         last_step = self.last_saved[0] if self.last_saved else 0
         if self.cfg.stop_save_after > 0 and step - last_step >= self.cfg.stop_save_after:
-            self.save(step)
+            self.save(step, tokens_seen)
         return None if self.last_saved is None else self.last_saved[1]
 
-    def save(self, step: int) -> Path:
-        """Write `<run_dir>/checkpoints/step_<step>` atomically; keep the newest `keep_last`.
+    def save(self, step: int, tokens_seen: int) -> Path:
+        """Write `<run_dir>/checkpoints/step_<step>` atomically (with the `tokens_seen` up to it); keep
+        the newest `keep_last`.
 
         A failed save (a full disk, say) removes its partial directory and raises a CheckpointError
         on every rank; the checkpoints saved before stay as they were."""
@@ -158,7 +165,7 @@ class Checkpointer:
         error: Exception | None = None
         try:
             write_checkpoint(tmp, step, self.model_cfg, self.model, self.optimizer, self.scheduler,
-                             self.loaders, self.mapping, self.tokenizer, self.fp8_scaling)
+                             self.loaders, self.mapping, tokens_seen, self.tokenizer, self.fp8_scaling)
             if process_rank() == 0:
                 replace_dir(tmp, final)
         except (CheckpointError, OSError) as save_error:

@@ -160,6 +160,10 @@ class Trainer:
             fp8_scaling=self.fp8_scaling,
         )
         self.step = self.checkpointer.restore()
+        # Counted, not step × tokens_per_step: a resumed run may step by another batch size than
+        # the steps before it (a checkpoint that did not record them counts them at this run's).
+        resumed_tokens = self.checkpointer.resumed_tokens_seen
+        self.tokens_seen = self.step * self.tokens_per_step if resumed_tokens is None else resumed_tokens
         if self.step > 0:  # resumed: the optimizer's values are this run's config, not the checkpoint's
             for change in apply_recipe(self.optimizer, self.scheduler, run.optim):
                 self.logger.info(f"resumed with {change}")
@@ -317,11 +321,11 @@ class Trainer:
                 self.logger.log(record)
                 self.report_skipped_rows()
                 self.report_alloc_retries(record)
-            self.checkpointer.after_step(self.step, tcfg.steps)
+            self.checkpointer.after_step(self.step, tcfg.steps, self.tokens_seen)
         profiler.stop()
         result.final_step = self.step
         if result.stopped_by:
-            saved = self.checkpointer.on_stop(self.step)
+            saved = self.checkpointer.on_stop(self.step, self.tokens_seen)
             then = f"checkpoint {saved}; resume with" if saved else "no checkpoint; start again with"
             self.logger.info(f"stopped at step {self.step} by {result.stopped_by}; {then} the same command")
             return result
@@ -395,6 +399,7 @@ class Trainer:
             self.fp8_scaling.commit_step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        self.tokens_seen += self.tokens_per_step
         return lr
 
     def log_due(self) -> bool:
@@ -407,7 +412,8 @@ class Trainer:
         rate = throughput(window.steps * self.tokens_per_step, window.seconds, self.dist.world_size,
                           self.flops_per_token, self.peak)
         return {
-            "step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+            "step": self.step, "tokens_seen": self.tokens_seen, "loss": loss, "lr": lr,
+            "grad_norm": grad_norm,
             "tokens_per_s": rate.tokens_per_s, "tokens_per_s_per_device": rate.tokens_per_s_per_device,
             "tflops_per_device": rate.tflops_per_device, "mfu": rate.mfu,
             "step_time_s": window.seconds / window.steps, "data_time_s": window.data_seconds / window.steps,
@@ -425,7 +431,7 @@ class Trainer:
         if result.val_losses:
             last = max(result.val_losses)
             parts.append(f"val loss {result.val_losses[last]:.4f} (step {last})")
-        parts.append(f"{self.step * self.tokens_per_step:,} tokens seen")
+        parts.append(f"{self.tokens_seen:,} tokens seen")
         parts.append(f"{format_duration(elapsed)} elapsed")
         if self.run_time.steps:
             rate = throughput(self.run_time.steps * self.tokens_per_step, self.run_time.seconds,
