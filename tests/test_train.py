@@ -307,3 +307,12 @@ def test_tokens_seen_are_counted_across_a_resume_with_another_batch_size(tmp_pat
     assert "14,336 tokens seen" in summary
     seen = {r["step"]: r["tokens_seen"] for r in read_records(tmp_path) if "tokens_seen" in r}
     assert seen == {1: 2048, 2: 4096, 3: 6144, 4: 10240, 5: 14336}
+
+
+def test_a_resume_at_or_past_train_steps_says_there_is_nothing_to_train(tmp_path, capsys):
+    run(tmp_path, "data=synthetic", "train.steps=3", "checkpoint.at_end=true")
+    capsys.readouterr()
+    result = run(tmp_path, "data=synthetic", "train.steps=2")
+    out = capsys.readouterr().out
+    assert "resumed at step 3, which train.steps=2 does not go past: nothing to train" in out
+    assert result.losses == {} and out.splitlines()[-1].startswith("done: step 3/2 | ")

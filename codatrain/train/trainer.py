@@ -299,6 +299,9 @@ class Trainer:
                              f"(after train.profile_skip={tcfg.profile_skip} and one warm-up step) covers "
                              + (f"{profiled} of train.profile_steps={tcfg.profile_steps}" if profiled > 0
                                 else "none: no profile is written"))
+        if self.step >= tcfg.steps:  # resumed from a checkpoint of a longer run, or of this one finished
+            self.logger.info(f"resumed at step {self.step}, which train.steps={tcfg.steps} does not go past: "
+                             "nothing to train (raise train.steps to go on)")
         result.stopped_by = self.stop.agreed()  # a signal before the first step; then each step's own
         while self.step < tcfg.steps and not result.stopped_by:
             step_started = time.perf_counter()
