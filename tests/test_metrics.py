@@ -33,6 +33,18 @@ def test_peak_table_prefers_specific_names():
     assert names.index("GH200") < names.index("H200")
 
 
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
+    ("NVIDIA H200", 989e12), ("NVIDIA GH200 480GB", 989e12), ("NVIDIA H800", 989e12),
+    ("NVIDIA H800 PCIe", 756e12), ("NVIDIA H20", 148e12), ("NVIDIA A100-SXM4-80GB", 312e12),
+    ("NVIDIA GeForce RTX 4090", None),
+])
+def test_peak_of_each_device_name(monkeypatch, name, peak):
+    """The names torch reports: a PCIe card is not given its SXM sibling's peak."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert peak_flops(torch.device("cuda", 0)) == peak
+
+
 def test_schedules():
     cos = OptimConfig(schedule="cosine", warmup_steps=10, min_lr_ratio=0.1)
     assert lr_factor(0, 100, cos) == pytest.approx(0.1)

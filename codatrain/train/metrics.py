@@ -20,7 +20,8 @@ DENSE_BF16_PEAK_FLOPS: tuple[tuple[str, float], ...] = (
     ("H100 PCIe", 756e12),
     ("H100 NVL", 835e12),
     ("H100", 989e12),  # SXM / HBM3
-    ("H800", 989e12),
+    ("H800 PCIe", 756e12),
+    ("H800", 989e12),  # SXM
     ("H20", 148e12),
     ("A100", 312e12),
     ("A800", 312e12),
