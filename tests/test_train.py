@@ -2,6 +2,7 @@
 
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -316,3 +317,17 @@ def test_a_resume_at_or_past_train_steps_says_there_is_nothing_to_train(tmp_path
     out = capsys.readouterr().out
     assert "resumed at step 3, which train.steps=2 does not go past: nothing to train" in out
     assert result.losses == {} and out.splitlines()[-1].startswith("done: step 3/2 | ")
+
+
+def test_a_checkpoint_without_its_token_count_is_counted_at_this_runs_batch_and_says_so(tmp_path, capsys):
+    run(tmp_path, "data=synthetic", "train.steps=2", "checkpoint.at_end=true")
+    manifest_path = tmp_path / "checkpoints" / "step_2" / "checkpoint.json"
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["tokens_seen"]  # as an earlier version wrote it
+    manifest_path.write_text(json.dumps(manifest))
+    capsys.readouterr()
+    run(tmp_path, "data=synthetic", "train.steps=3", "train.micro_batch_size=32")
+    out = capsys.readouterr().out
+    assert "does not record the tokens trained (saved by an earlier version): counting its 2 steps at " \
+           "this run's 4096 tokens a step" in out
+    assert "12,288 tokens seen" in out.splitlines()[-1]
