@@ -101,7 +101,12 @@ def test_mesh_degrees():
                                          r"job has 4 processes"):
         mesh("parallel.dp_replicate=2", "parallel.dp_shard=3")
     with pytest.raises(ValueError, match=r"= 3 × 1 = 3, but the job has 4 processes"):
-        mesh("parallel.dp_replicate=3")
+        mesh("parallel.dp_replicate=3", "parallel.dp_shard=1")
+    # dp_shard=-1 with replicas that do not divide the processes (it said "2 × 0 = 0" on one process).
+    for replicas, world_size in ((3, 4), (2, 1)):
+        with pytest.raises(ValueError, match=rf"parallel.dp_replicate={replicas} replicas do not divide the "
+                                             rf"job's {world_size} processes \(parallel.dp_shard=-1"):
+            mesh(f"parallel.dp_replicate={replicas}", world_size=world_size)
     with pytest.raises(ValueError, match="6 processes are not a multiple of 4 per node"):
         mesh("parallel.dp_replicate=auto", world_size=6)
 

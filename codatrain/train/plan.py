@@ -64,6 +64,9 @@ def data_parallel_mesh(cfg: ParallelConfig, world_size: int, local_world_size: i
         replicate = world_size // local_world_size
     else:
         replicate = int(cfg.dp_replicate)
+    if cfg.dp_shard == -1 and world_size % replicate:
+        raise ValueError(f"parallel.dp_replicate={replicate} replicas do not divide the job's {world_size} "
+                         "processes (parallel.dp_shard=-1 gives each replica the processes it leaves)")
     shard = cfg.dp_shard if cfg.dp_shard != -1 else world_size // replicate
     if replicate * shard != world_size:
         raise ValueError(
