@@ -164,13 +164,13 @@ class Trainer:
         # the steps before it (a checkpoint that did not record them counts them at this run's).
         resumed_tokens = self.checkpointer.resumed_tokens_seen
         self.tokens_seen = self.step * self.tokens_per_step if resumed_tokens is None else resumed_tokens
-        if self.step > 0 and resumed_tokens is None:
-            self.logger.info("the checkpoint does not record the tokens trained (saved by an earlier "
-                             f"version): counting its {self.step} steps at this run's {self.tokens_per_step} "
-                             "tokens a step")
         if self.step > 0:  # resumed: the optimizer's values are this run's config, not the checkpoint's
             for change in apply_recipe(self.optimizer, self.scheduler, run.optim):
                 self.logger.info(f"resumed with {change}")
+            if resumed_tokens is None:
+                self.logger.info("the checkpoint does not record the tokens trained (saved by an earlier "
+                                 f"version): counting its {self.step} steps at this run's "
+                                 f"{self.tokens_per_step} tokens a step")
         # Loop state: steps skipped as non-finite, the time since the last record and in this run,
         # and the bad data rows and allocator retries (the count at the last warning) already reported.
         self.skipped_steps, self.window, self.run_time = 0, StepTime(), StepTime()
