@@ -3,6 +3,8 @@
 import gzip
 import json
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from codatrain.config import DataConfig, load_config
@@ -84,3 +86,24 @@ def test_training_stops_with_the_error_the_train_script_prints_as_one_line(tmp_p
     with pytest.raises(ValueError) as caught:
         train(cfg)
     assert "\n" not in str(caught.value) and str(caught.value).startswith(f"{bad}: line 1 is not UTF-8 text")
+
+
+@pytest.mark.parametrize("name, content", [
+    ("d.jsonl", b""),
+    ("d.jsonl", b"\n\n"),
+    ("d.json", b""),
+    ("d.parquet", None),
+], ids=["empty-jsonl", "blank-jsonl", "empty-json", "parquet-without-rows"])
+def test_a_source_whose_files_are_empty_says_so(tmp_path, name, content):
+    """The json builder ran out of rows with a bare StopIteration (a traceback, no message), a file of
+    blank lines gave datasets' 'Instruction "train" corresponds to no data!', a parquet file of no
+    rows 'ArrowInvalid: BatchSize must be greater than 0'."""
+    path = tmp_path / "docs" / name
+    path.parent.mkdir()
+    if content is None:
+        pq.write_table(pa.table({"text": pa.array([], pa.string())}), path)
+    else:
+        path.write_bytes(content)
+    expected = rf"^data path '{path.parent}' has no documents: its file is empty$"
+    with pytest.raises(DataFileError, match=expected):
+        streams_of(tmp_path, path.parent)

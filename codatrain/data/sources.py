@@ -79,6 +79,12 @@ class Source:
         # the builder infers the features) raises the reader's own error, not datasets' wrapper.
         except (datasets.exceptions.DatasetGenerationError, OSError, EOFError, pa.ArrowException) as exc:
             raise self._unreadable(exc) from exc
+        # Local files without a single record: the json builder's feature inference runs out of rows
+        # (a bare StopIteration), and a split of blank lines has "no data" (datasets' ValueError).
+        except (StopIteration, ValueError) as exc:
+            if self.kind != "files":
+                raise
+            raise self._unreadable(exc) from None
         columns = ds.column_names  # None for a stream whose features are not declared
         if columns is not None:
             if self.text_column not in columns:
@@ -126,10 +132,14 @@ class Source:
         """The error for a dataset that `datasets` failed to build: the first bad file and line when
         a local file can be pinned down, else the innermost cause."""
         files = self.load_args.get("data_files") or []
-        for file in [files] if isinstance(files, str) else files:
+        files = [files] if isinstance(files, str) else files
+        for file in files:
             problem = _file_problem(file, self.load_args["path"])
             if problem is not None:
                 return DataFileError(f"{file}: {problem}")
+        if files and all(_holds_no_records(file, self.load_args["path"]) for file in files):
+            which = "its file is" if len(files) == 1 else f"its {len(files)} files are"
+            return DataFileError(f"data path {self.location!r} has no documents: {which} empty")
         cause: BaseException = exc
         while cause.__cause__ is not None or cause.__context__ is not None:
             cause = cause.__cause__ or cause.__context__
@@ -349,6 +359,17 @@ def _file_problem(file: str, builder: str) -> str | None:
         return None
     except ValueError:
         return first_error
+
+
+def _holds_no_records(file: str, builder: str) -> bool:
+    """Whether `file` is empty: no rows (parquet), or nothing but whitespace (text, json)."""
+    try:
+        with fsspec.open(file, "rb", compression="infer") as f:
+            if builder == "parquet":
+                return pq.ParquetFile(f).metadata.num_rows == 0
+            return not f.read().strip()
+    except Exception:  # unreadable is not empty: _file_problem names what is wrong
+        return False
 
 
 def _format_suffix(file: Path) -> str:
