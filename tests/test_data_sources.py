@@ -14,7 +14,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from codatrain.config import DataConfig
 from codatrain.data import build_loaders, prepare_streams
 from codatrain.data.sft import read_hub_records
-from codatrain.data.sources import DataFileError, Source, hub_source
+from codatrain.data.sources import DataFileError, Source, held_out_by_content, hub_source
 from codatrain.data.token_cache import tokenize_source
 from codatrain.data.tokenizer import ByteTokenizer
 
@@ -253,3 +253,11 @@ def test_too_little_data_or_validation(tmp_path):
         build(config(tmp_path, path), batch_size=4)
     with pytest.raises(ValueError, match="holds out none"):
         build(config(tmp_path, write_jsonl(tmp_path / "e.jsonl", docs(3)), val_fraction=0.01))
+
+
+def test_a_val_fraction_that_holds_out_every_document_says_so(tmp_path):
+    """It said 'has no documents with text (3 rows read ...)' of a source of three documents."""
+    texts = docs(3)
+    assert all(held_out_by_content(t, 0.999) for t in texts)
+    with pytest.raises(ValueError, match=r"data.val_fraction=0.999 holds out all 3 documents of .*d\.jsonl"):
+        build(config(tmp_path, write_jsonl(tmp_path / "d.jsonl", texts), val_fraction=0.999))

@@ -68,6 +68,11 @@ def _write_entry(source: Source, tokenizer: Tokenizer, directory: Path, spec: di
             bar.update(len(texts))
     if writer.num_documents["train"] == 0:
         writer.discard()
+        held = writer.num_documents["val"] if held_out_fraction > 0 else 0
+        if held:
+            raise ValueError(f"data.val_fraction={held_out_fraction} holds out all {held} documents of "
+                             f"{source.location}, leaving none to train on; lower it or give a separate "
+                             "validation source (data.val_path)")
         raise ValueError(f"data source {source.location} has no documents with text "
                          f"({index} rows read, column {source.text_column!r})")
     if held_out_fraction > 0 and writer.num_documents["val"] == 0:
