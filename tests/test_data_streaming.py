@@ -25,6 +25,7 @@ from test_data_sources import word_tokenizer
 from codatrain.config import load_config
 from codatrain.data import build_loaders, pretokenize
 from codatrain.data.config import DataConfig, DataSource, OnBadData
+from codatrain.data.loader import data_sources
 from codatrain.data.pretokenize import tokenize_to_dir
 from codatrain.data.sources import DataFileError, held_out_by_content
 from codatrain.data.streaming import CHUNK_ROWS
@@ -588,3 +589,19 @@ def test_machines_split_the_shards_and_an_incomplete_directory_is_named(tmp_path
     assert markers == [f"shard-{shard_name(i, 4)}.json" for i in range(4)]
     with pytest.raises(ValueError, match="another tokenizer"):
         build(DataConfig(source=DataSource.tokens, path=str(out), tokenizer=str(tmp_path), seq_len=16))
+
+
+@pytest.mark.parametrize("sample_by", ["document", "paragraph", "line"])
+def test_a_stream_cuts_text_files_into_the_documents_the_token_cache_does(tmp_path, sample_by):
+    """Windows line ends, a lone "\\r" and a form feed: the stream (and so tokenize_corpus.py) read
+    them as bytes, so a CRLF file was one document by paragraph, kept its "\\r\\n" by document and
+    ended lines at the form feed, while the cache (datasets' text builder) reads universal newlines."""
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "a.txt").write_bytes(b"one\r\nstill one\r\n\r\ntwo\rthree\x0cfour\r\n\r\nfive\n")
+    cfg = DataConfig(source=DataSource.files, path=str(tmp_path / "c"), text_sample_by=sample_by,
+                     cache_dir=str(tmp_path / "cache"))
+    source = data_sources(cfg)[0]
+    batches, _ = source.read()
+    cached = [t for batch in batches for t in batch if t]
+    assert len(cached) == {"document": 1, "paragraph": 3, "line": 5}[sample_by]
+    assert [row["text"] for row in source.stream() if row["text"]] == cached

@@ -320,7 +320,11 @@ def _text_rows(file: str, sample_by: str) -> Iterator[dict[str, str | None]]:
         yield {"text": None, "error": f"{file}, line {line} is not UTF-8 text ({exc.reason} at byte "
                                      f"{exc.start}); is it a binary file?"}
         return
-    pieces = {"document": [text], "paragraph": text.split("\n\n"), "line": text.splitlines()}[sample_by]
+    # As datasets' text builder reads them (the token cache's path): "\r\n" and "\r" read as "\n" (a
+    # text-mode file's universal newlines), and lines end at "\n" only (str.splitlines would also
+    # end them at form feeds, "\x1c".."\x1e", "\x85", "\u2028" ...).
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    pieces = {"document": [text], "paragraph": text.split("\n\n"), "line": text.split("\n")}[sample_by]
     for piece in pieces:
         yield {"text": piece, "error": None}
 
