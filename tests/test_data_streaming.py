@@ -31,6 +31,8 @@ from codatrain.data.sources import DataFileError, held_out_by_content
 from codatrain.data.streaming import CHUNK_ROWS
 from codatrain.data.token_shards import shard_name
 from codatrain.data.tokenizer import load_tokenizer
+from codatrain.train import checkpoint
+from codatrain.train.checkpoint_files import write_json
 from codatrain.train.trainer import train
 
 BOS, EOS = 256, 257
@@ -605,3 +607,22 @@ def test_a_stream_cuts_text_files_into_the_documents_the_token_cache_does(tmp_pa
     cached = [t for batch in batches for t in batch if t]
     assert len(cached) == {"document": 1, "paragraph": 3, "line": 5}[sample_by]
     assert [row["text"] for row in source.stream() if row["text"]] == cached
+
+
+def test_a_stream_saved_by_one_process_starts_again_on_two_with_a_warning(tmp_path, monkeypatch):
+    """README: another number of processes starts the stream again, with a warning. From one process
+    the state (the same on every rank, as there is one) was loaded as is, and the stream refused it:
+    the run stopped with 'train.run_dir holds another experiment: ... saved with world_size=1'."""
+    corpus(tmp_path / "c")
+    one = build(stream_config(tmp_path / "c"))[0]
+    take(one, 3)
+    step_dir = tmp_path / "step_3"
+    step_dir.mkdir()
+    write_json(step_dir / "rank_00000.json", {"loaders": {"train": one.state_dict()}, "rng": None})
+    monkeypatch.setattr(checkpoint, "_world_size", lambda: 2)
+    monkeypatch.setattr(checkpoint, "process_rank", lambda: 1)
+    two, logs = build(stream_config(tmp_path / "c"), rank=1, world_size=2)[0], []
+    checkpoint._load_rank_state(step_dir, 1, {"train": two}, logs.append)
+    assert logs == ["warning: the train data state is where each of 1 processes stood in its own part of "
+                    "the stream and cannot move to 2 processes; that loader starts from its beginning"]
+    assert same(take(two, 3), take(build(stream_config(tmp_path / "c"), rank=1, world_size=2)[0], 3))

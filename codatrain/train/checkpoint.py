@@ -462,7 +462,16 @@ def _load_rank_state(path: Path, saved_world_size: int, loaders: Mapping[str, St
         mine = {"loaders": {}, "rng": None}
         for name in loaders:
             values = [s["loaders"].get(name) for s in states]
-            if all(v == values[0] for v in values):
+            # A state that names the world it was split for (a stream's: each rank reads its own part
+            # of it) is per rank even when one process saved it.
+            split_for = values[0].get("world_size") if isinstance(values[0], dict) else None
+            if split_for is not None and split_for != _world_size():
+                log(
+                    f"warning: the {name} data state is where each of {saved_world_size} processes stood in "
+                    f"its own part of the stream and cannot move to {_world_size()} processes; that loader "
+                    "starts from its beginning"
+                )
+            elif all(v == values[0] for v in values):
                 mine["loaders"][name] = values[0]
             else:
                 log(
