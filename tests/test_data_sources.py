@@ -146,6 +146,25 @@ def test_hf_tokenizer_json(tmp_path):
     assert batch.inputs.shape == (2, 8) and int(batch.inputs.max()) < 13
 
 
+@pytest.mark.parametrize("folder", [False, True], ids=["tokenizer.json", "folder"])
+def test_a_document_that_writes_a_special_token_keeps_it_as_text(tmp_path, folder):
+    """"</s>" in a document's text was encoded as the EOS id: a document boundary inside the document."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok, vocab = word_tokenizer(["<s>", "</s>"])
+    if folder:
+        PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                unk_token="[UNK]").save_pretrained(tmp_path / "tok")
+    else:
+        tok.save(str(tmp_path / "tokenizer.json"))
+    path = write_jsonl(tmp_path / "d.jsonl", ["hello </s> <s> world"])
+    cfg = config(tmp_path, path, tokenizer=str(tmp_path / "tok" if folder else tmp_path / "tokenizer.json"))
+    tokens = read_all(prepare_streams(cfg).train)
+    assert tokens[0] == vocab["<s>"] and tokens[1] == vocab["hello"]
+    assert tokens[-2] == vocab["world"] and tokens[-1] == vocab["</s>"]
+    assert tokens.count(vocab["<s>"]) == 1 and tokens.count(vocab["</s>"]) == 1
+
+
 def test_hf_tokenizer_folder_names_its_delimiters(tmp_path):
     from transformers import PreTrainedTokenizerFast
 

@@ -75,6 +75,11 @@ class HFTokenizer:
         # Packing adds BOS/EOS itself and documents must never be cut short or padded.
         self._backend.no_truncation()
         self._backend.no_padding()
+        # A document's text is text: one that writes a special token ("<|end_of_text|>" in a page
+        # about tokenizers) is encoded as those characters, not as the token, which would put an EOS
+        # or BOS inside the document (as Llama 3's and torchtitan's tiktoken encode with no
+        # allowed_special). Only packing's delimiters are special ids.
+        self._backend.encode_special_tokens = True
         self.vocab_size = max(self._backend.get_vocab(with_added_tokens=True).values()) + 1
         digest = hashlib.sha256(self._backend.to_str().encode()).hexdigest()[:16]
         self.fingerprint = f"hf-{digest}-bos{self.bos_id}-eos{self.eos_id}"
