@@ -189,12 +189,16 @@ def test_streamed_training_skips_the_held_out_documents(tmp_path):
     assert read == {t.split("words")[0] for t in texts if t not in held}
 
 
-def test_a_reader_whose_part_of_the_stream_is_empty_is_named(tmp_path):
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_reader_whose_part_of_the_stream_is_empty_is_named(tmp_path, workers):
+    """In one line: from a worker it was 'Caught ValueError in DataLoader worker process 0.' and the
+    worker's traceback, which the train script printed after `error:` (and a restart as the error)."""
     corpus(tmp_path / "c", files=1, per_file=1)
-    with pytest.raises(ValueError, match=r"reader 0 of rank 1 found no documents in epoch 0 of its part "
-                                         r"\(1/2 of the stream\); the source has too few documents or "
-                                         r"shards for the ranks × data.num_workers$"):
-        take(build(stream_config(tmp_path / "c"), rank=1, world_size=2)[0], 1)
+    where = r" \(in DataLoader worker process 0\)" if workers else ""
+    with pytest.raises(ValueError, match=r"^[^\n]*: reader 0 of rank 1 found no documents in epoch 0 of its "
+                                         r"part \(1/2 of the stream\); the source has too few documents or "
+                                         rf"shards for the ranks × data.num_workers{where}$"):
+        take(build(stream_config(tmp_path / "c", num_workers=workers), rank=1, world_size=2)[0], 1)
 
 
 def test_streamed_validation_is_the_first_val_tokens_of_its_source_in_the_runs_tokenizer(tmp_path):

@@ -187,8 +187,10 @@ class StreamLoader:
                 self.batches += 1
                 self.states[reader] = state
                 yield batch.to(self.device)
-        except DataFileError as error:  # a bad row (on_bad_data=fail): one line, not a worker's traceback
-            raise DataFileError(raised_in_worker(error)) from None
+        # A bad row (on_bad_data=fail), a reader without documents: one line, not a worker's traceback.
+        except ValueError as error:
+            raise (DataFileError if isinstance(error, DataFileError) else ValueError)(
+                raised_in_worker(error)) from None
 
     def state_dict(self) -> dict[str, Any]:
         arrays = ("tokens", "starts", "pool", "pool_lengths")

@@ -54,7 +54,9 @@ def raised_in_worker(error: BaseException) -> str:
     <type>: <message>"), followed by where it was raised; `str(error)` when it is not one."""
     first, _, traceback_text = str(error).partition("\n")
     caught = f"Caught {type(error).__name__} "
-    last_line = f"{type(error).__module__}.{type(error).__qualname__}: "
+    module = type(error).__module__
+    # A traceback names a built-in exception without its module: "ValueError: ...".
+    last_line = f"{'' if module == 'builtins' else module + '.'}{type(error).__qualname__}: "
     if not first.startswith(caught) or last_line not in traceback_text:
         return str(error)
     return f"{traceback_text.rsplit(last_line, 1)[1].strip()} ({first.removeprefix(caught).rstrip('.')})"
