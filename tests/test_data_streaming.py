@@ -630,3 +630,21 @@ def test_a_stream_saved_by_one_process_starts_again_on_two_with_a_warning(tmp_pa
     assert logs == ["warning: the train data state is where each of 1 processes stood in its own part of "
                     "the stream and cannot move to 2 processes; that loader starts from its beginning"]
     assert same(take(two, 3), take(build(stream_config(tmp_path / "c"), rank=1, world_size=2)[0], 3))
+
+
+def test_a_json_array_file_streams_the_records_the_token_cache_reads(tmp_path):
+    """A .json file of one array (data=files reads it): the stream, and so tokenize_corpus.py, read it
+    line by line, so every line was a bad row ('line 1 is not a JSON record (Expecting value ...)')."""
+    texts = [f"doc {i} " + "words " * (i % 5 + 1) for i in range(40)]
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "a.json").write_text(json.dumps([{"text": t, "id": i} for i, t in enumerate(texts)],
+                                                      indent=2))
+    cfg = stream_config(tmp_path / "c", cache_dir=str(tmp_path / "cache"))
+    source = data_sources(cfg)[0]
+    batches, _ = source.read()
+    assert [t for batch in batches for t in batch] == texts
+    assert [row["text"] for row in source.stream()] == texts
+    (tmp_path / "c" / "a.json").write_text(json.dumps([{"text": "one"}, {"body": "two"}]))
+    rows = list(data_sources(cfg)[0].stream())
+    assert rows[1] == {"text": None, "error": f"{tmp_path / 'c' / 'a.json'}, record 2 has no field 'text' "
+                                              "(set data.text_column)"}

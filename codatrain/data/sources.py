@@ -267,30 +267,57 @@ def _stream_file_rows(files: list[str], builder: str, text_column: str,
 
 def _json_rows(file: str, text_column: str) -> Iterator[dict[str, str | None]]:
     with fsspec.open(file, "rb", compression="infer") as f:
+        if f.read(1 << 12).lstrip().startswith(b"["):  # one JSON array of records, as `datasets` reads it
+            yield from _json_array_rows(file, text_column)
+            return
+    with fsspec.open(file, "rb", compression="infer") as f:
         for number, raw in enumerate(f, start=1):
-            error = None
             try:
                 line = raw.decode("utf-8")
                 if not line.strip():
                     continue
                 record = json.loads(line)
             except UnicodeDecodeError as exc:
-                error = f"line {number} is not UTF-8 text ({exc.reason} at byte {exc.start})"
+                row = _error_row(file, f"line {number} is not UTF-8 text ({exc.reason} at byte {exc.start})")
             except json.JSONDecodeError as exc:
-                error = f"line {number} is not a JSON record ({exc.msg} at column {exc.colno})"
+                row = _error_row(file, f"line {number} is not a JSON record ({exc.msg} at column "
+                                       f"{exc.colno})")
             else:
-                if not isinstance(record, dict):
-                    error = f"line {number} is a JSON {type(record).__name__}, not a record (object)"
-                elif text_column not in record:
-                    error = f"line {number} has no field {text_column!r} (set data.text_column)"
-                elif record[text_column] is not None and not isinstance(record[text_column], str):
-                    value = record[text_column]
-                    error = (f"line {number}: {text_column!r} holds {type(value).__name__} {value!r:.40}, "
-                             "not a string")
-            if error is None:
-                yield {"text": record[text_column], "error": None}
-            else:
-                yield {"text": None, "error": f"{file}, {error}"}
+                row = _record_row(file, f"line {number}", record, text_column)
+            yield row
+
+
+def _json_array_rows(file: str, text_column: str) -> Iterator[dict[str, str | None]]:
+    """The records of a .json file that is one array (over any number of lines)."""
+    with fsspec.open(file, "rb", compression="infer") as f:
+        data = f.read()
+    try:
+        records = json.loads(data)
+    except UnicodeDecodeError as exc:
+        yield _error_row(file, f"is not UTF-8 text ({exc.reason} at byte {exc.start})")
+        return
+    except json.JSONDecodeError as exc:
+        yield _error_row(file, f"is not a JSON array ({exc.msg} at line {exc.lineno}, column {exc.colno})")
+        return
+    for number, record in enumerate(records, start=1):
+        yield _record_row(file, f"record {number}", record, text_column)
+
+
+def _error_row(file: str, error: str) -> dict[str, str | None]:
+    return {"text": None, "error": f"{file}, {error}"}
+
+
+def _record_row(file: str, where: str, record: Any, text_column: str) -> dict[str, str | None]:
+    """The row of one JSON record (`where` in `file`): its text, or an error row saying what is wrong."""
+    if not isinstance(record, dict):
+        return _error_row(file, f"{where} is a JSON {type(record).__name__}, not a record (object)")
+    if text_column not in record:
+        return _error_row(file, f"{where} has no field {text_column!r} (set data.text_column)")
+    value = record[text_column]
+    if value is not None and not isinstance(value, str):
+        return _error_row(file, f"{where}: {text_column!r} holds {type(value).__name__} {value!r:.40}, "
+                                "not a string")
+    return {"text": value, "error": None}
 
 
 def _parquet_rows(file: str, text_column: str) -> Iterator[dict[str, str | None]]:
