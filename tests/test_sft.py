@@ -245,6 +245,15 @@ def test_a_validation_fraction_that_holds_out_nothing_is_named(tmp_path):
                                 "data.val_path")
 
 
+def test_a_validation_fraction_that_holds_out_every_example_is_named(tmp_path):
+    """It said 'none of the 0 examples has a target token left in a window ...; raise data.seq_len'."""
+    path = write_jsonl(tmp_path / "ex.jsonl", example_records([(2, 3), (1, 1), (5, 2), (3, 4)]))
+    with pytest.raises(ValueError) as error:
+        build(sft_config(tmp_path, path, val_fraction=0.9999))
+    assert str(error.value) == ("data.val_fraction=0.9999 holds out all 4 examples, leaving none to train "
+                                "on; lower it or give data.val_path")
+
+
 def test_a_record_the_chat_template_refuses_is_named_by_file_and_line(tmp_path):
     chat_tokenizer(tmp_path / "tok", CHATML.replace(
         "{% for", "{% if messages|length == 4 %}{{ raise_exception('four turns') }}{% endif %}{% for", 1))

@@ -351,6 +351,9 @@ def build_sft_datasets(cfg: DataConfig, tokenizer: Tokenizer) -> tuple[SFTWindow
     elif not val:
         raise ValueError(f"data.val_fraction={cfg.val_fraction} holds out none of the {len(main)} "
                          "examples; raise it or give data.val_path")
+    if not main and val and held_out > 0:
+        raise ValueError(f"data.val_fraction={cfg.val_fraction} holds out all {len(val)} examples, leaving "
+                         "none to train on; lower it or give data.val_path")
 
     def pack(examples: list[Example]) -> SFTWindows:
         return SFTWindows(examples, cfg.seq_len, cfg.keep_document_boundaries, cfg.sft_overlong,
