@@ -201,6 +201,15 @@ def test_a_reader_whose_part_of_the_stream_is_empty_is_named(tmp_path, workers):
         take(build(stream_config(tmp_path / "c", num_workers=workers), rank=1, world_size=2)[0], 1)
 
 
+def test_a_stream_whose_documents_are_all_held_out_names_val_fraction(tmp_path):
+    """It blamed only the ranks × data.num_workers, which were one."""
+    texts = corpus(tmp_path / "c", files=1, per_file=3)
+    assert all(held_out_by_content(t, 0.9999) for t in texts)
+    with pytest.raises(ValueError, match=r"found no documents .* data.num_workers, or "
+                                         r"data.val_fraction=0.9999 holds them out$"):
+        take(build(stream_config(tmp_path / "c", val_fraction=0.9999))[0], 1)
+
+
 def test_streamed_validation_is_the_first_val_tokens_of_its_source_in_the_runs_tokenizer(tmp_path):
     tok, vocab = word_tokenizer(["<s>", "</s>"])
     tok.save(str(tmp_path / "tokenizer.json"))

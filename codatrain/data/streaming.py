@@ -138,9 +138,12 @@ class StreamWindows(torch.utils.data.IterableDataset):
                     "rng": rng.bit_generator.state, "skipped": skipped, "last_skip": last_skip}
             if not read_any and hf_state is None:  # (a resumed epoch may have had nothing left)
                 share = f"1/{self.world_size * self.readers}"
+                held = (f", or data.val_fraction={self.held_out_fraction} holds them out"
+                        if self.held_out_fraction > 0 else "")
                 raise ValueError(f"{self.source.location}: reader {reader} of rank {self.rank} found no "
                                  f"documents in epoch {epoch} of its part ({share} of the stream); the "
-                                 "source has too few documents or shards for the ranks × data.num_workers")
+                                 "source has too few documents or shards for the ranks × data.num_workers"
+                                 + held)
             epoch, hf_state, rng_state = epoch + 1, None, None
 
 
