@@ -23,8 +23,10 @@ from codatrain.data.token_shards import ShardWriter, TokenShards, frame_document
 from codatrain.data.tokenizer import Tokenizer
 
 # 3: documents held out by content (`held_out_by_content`); version 2 entries held out by index and
-# are not read (their key differs, so they are rebuilt).
-FORMAT_VERSION = 3
+# are not read (their key differs, so they are rebuilt). 4: a special token written in a document's
+# text is encoded as text (HFTokenizer); version 3 entries may hold it as the special id, so they are
+# rebuilt too.
+FORMAT_VERSION = 4
 
 
 def tokenize_source(source: Source, tokenizer: Tokenizer, cache_root: Path,
