@@ -1,6 +1,7 @@
 """Hugging Face interop against transformers.LlamaForCausalLM: export, import, config, errors."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -365,6 +366,26 @@ def test_missing_weights_are_a_clear_error(tmp_path):
     assert str(error.value) == (
         f"{tmp_path / 'hf'}: the index lists missing files: {', '.join(str(s) for s in shards[1:])}"
     )
+
+
+def test_a_truncated_or_malformed_file_of_a_folder_is_a_clear_error_naming_it(tmp_path):
+    # An interrupted download: one error line naming the file, not safetensors' or json's own error
+    # (which names none) as a traceback.
+    save_hf(tmp_path / "hf", CFG, ours().state_dict().items(), max_shard_bytes=200_000)
+    shard = sorted((tmp_path / "hf").glob("model-*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=f"^{re.escape(str(shard))} is not a readable safetensors file "):
+        load_hf_weights(ours(), tmp_path / "hf", CFG, print)
+    save_hf(tmp_path / "one", CFG, ours().state_dict().items())
+    (tmp_path / "one" / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path / 'one' / 'model.safetensors'))} is not"):
+        load_hf_weights(ours(), tmp_path / "one", CFG, print)
+    for name in ("config.json", "model.safetensors.index.json"):
+        folder = tmp_path / name
+        save_hf(folder, CFG, ours().state_dict().items(), max_shard_bytes=200_000)
+        (folder / name).write_text('{"hidden_size": 12')
+        with pytest.raises(ValueError, match=f"^{re.escape(str(folder / name))} is not valid JSON "):
+            load_hf_weights(ours(), folder, CFG, print)
 
 
 def test_tied_checkpoints_are_checked_like_untied_ones(tmp_path):

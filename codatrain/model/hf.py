@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from codatrain.kernels.stages import RopeType
@@ -336,6 +336,27 @@ def hub_id_hint(path: str | os.PathLike) -> str:
 
 
 # ---- reading -------------------------------------------------------------------------------------
+def _read_json(file: Path) -> Any:
+    """A JSON file of an HF folder; ValueError naming the file if it is not JSON (a download cut short)."""
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"{file} is not valid JSON ({error}); a download cut short? fetch it again"
+        ) from None
+
+
+def _safe_open(file: Path) -> Any:
+    """safe_open, with a ValueError naming the file for one that is not a whole safetensors file (a
+    download cut short, an empty file) rather than safetensors' own error, which names none."""
+    try:
+        return safe_open(str(file), framework="pt")
+    except SafetensorError as error:
+        raise ValueError(
+            f"{file} is not a readable safetensors file ({error}); a download cut short? fetch it again"
+        ) from None
+
+
 class HFCheckpoint:
     """An HF checkpoint of one of the Llama-style families on disk, read lazily through safetensors
     (memory-mapped).
@@ -355,9 +376,9 @@ class HFCheckpoint:
             self._file_of = {name: path for name in self._keys(path)}
         elif path.is_dir():
             if (path / CONFIG_NAME).is_file():
-                self.config = json.loads((path / CONFIG_NAME).read_text())
+                self.config = _read_json(path / CONFIG_NAME)
             if (path / INDEX_NAME).is_file():
-                index = json.loads((path / INDEX_NAME).read_text())
+                index = _read_json(path / INDEX_NAME)
                 self._file_of = {name: path / file for name, file in index["weight_map"].items()}
                 files = set(self._file_of.values())
             elif (path / WEIGHTS_NAME).is_file():
@@ -378,13 +399,13 @@ class HFCheckpoint:
 
     @staticmethod
     def _keys(file: Path) -> list[str]:
-        with safe_open(str(file), framework="pt") as f:
+        with _safe_open(file) as f:
             return list(f.keys())
 
     def _open(self, name: str) -> Any:
         file = self._file_of[name]
         if file not in self._handles:
-            self._handles[file] = safe_open(str(file), framework="pt")
+            self._handles[file] = _safe_open(file)
         return self._handles[file]
 
     def keys(self) -> set[str]:
