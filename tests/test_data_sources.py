@@ -186,6 +186,24 @@ def test_hf_tokenizer_with_only_an_end_of_text_token(tmp_path):
     assert tokens == [vocab["hello"], eot, vocab["world"], eot]
 
 
+def test_a_tokenizer_folder_without_its_vocabulary_is_refused(tmp_path):
+    # A Qwen2 folder's tokenizer_config.json without its tokenizer.json (an incomplete download):
+    # transformers 5 loads the special tokens alone, so every document would be just BOS and EOS
+    # (SFT trained on them without a word).
+    from transformers import PreTrainedTokenizerFast
+
+    tok, _ = word_tokenizer(["[START]", "[END]"])
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="[START]", eos_token="[END]", unk_token="[UNK]"
+    ).save_pretrained(tmp_path / "tok")
+    (tmp_path / "tok" / "tokenizer.json").unlink()
+    (tmp_path / "tok" / "config.json").write_text('{"model_type": "qwen2"}')
+    path = write_jsonl(tmp_path / "d.jsonl", ["hello world"])
+    cfg = config(tmp_path, path, tokenizer=str(tmp_path / "tok"))
+    with pytest.raises(ValueError, match="turns text into no tokens: it has no vocabulary beyond"):
+        prepare_streams(cfg)
+
+
 # ---- end to end resume -----------------------------------------------------------------------------
 def test_resume_of_real_data_with_workers_and_boundaries(tmp_path):
     cfg = config(tmp_path, write_jsonl(tmp_path / "d.jsonl", docs(60)), keep_document_boundaries=True,

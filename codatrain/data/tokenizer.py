@@ -75,6 +75,15 @@ class HFTokenizer:
         # Packing adds BOS/EOS itself and documents must never be cut short or padded.
         self._backend.no_truncation()
         self._backend.no_padding()
+        # transformers 5 loads a Qwen2 folder whose tokenizer_config.json has no tokenizer.json beside
+        # it as a tokenizer of its special tokens alone, which turns every text into nothing: training
+        # would see only BOS and EOS.
+        specials = {token.content for token in self._backend.get_added_tokens_decoder().values()}
+        if not set(self._backend.get_vocab(with_added_tokens=False)) - specials:
+            raise ValueError(
+                f"tokenizer {str(path)!r} ({setting}) turns text into no tokens: it has no vocabulary "
+                "beyond its special tokens (a tokenizer_config.json without its tokenizer.json?)"
+            )
         # A document's text is text: one that writes a special token ("<|end_of_text|>" in a page
         # about tokenizers) is encoded as those characters, not as the token, which would put an EOS
         # or BOS inside the document (as Llama 3's and torchtitan's tiktoken encode with no
