@@ -18,7 +18,7 @@ from codatrain.model import Llama, get_preset
 from codatrain.model.generate import generate
 from codatrain.model.hf import INDEX_NAME, config_from_hf, config_to_hf, save_hf
 from codatrain.train.checkpointer import Checkpointer
-from codatrain.train.hf_io import export_checkpoint_to_hf, load_hf_weights
+from codatrain.train.hf_io import export_checkpoint_to_hf, load_hf_weights, saved_architecture
 
 # GQA (4 query heads over 2 KV heads), odd vocab, rope θ and eps that differ from HF defaults.
 CFG = get_preset("tiny").replace(n_layers=2, vocab_size=301, rope_theta=5000.0, norm_eps=1e-5)
@@ -348,6 +348,24 @@ def test_pickle_checkpoints_are_refused(tmp_path):
     )
     with pytest.raises(ValueError, match="only .safetensors"):
         load_hf_weights(ours(), tmp_path / "pytorch_model.bin", CFG, print)
+
+
+def test_a_file_of_an_hf_folder_given_for_the_folder_says_to_pass_the_folder(tmp_path):
+    # checkpoint.init_from=<folder>/config.json was refused as if it were a pickle file.
+    save_hf(tmp_path / "hf", CFG, ours().state_dict().items())
+    with pytest.raises(ValueError) as error:
+        load_hf_weights(ours(), tmp_path / "hf" / "config.json", CFG, print)
+    assert str(error.value) == (
+        f"{tmp_path / 'hf' / 'config.json'}: only .safetensors weights can be loaded; to load the Hugging "
+        f"Face folder that holds it, pass the folder {tmp_path / 'hf'}"
+    )
+    with pytest.raises(ValueError) as error:  # model=hf from the weights file alone
+        saved_architecture(tmp_path / "hf" / "model.safetensors")
+    assert str(error.value) == (
+        f"{tmp_path / 'hf' / 'model.safetensors'} has no config.json to take the architecture from; to load "
+        f"the Hugging Face folder that holds it, pass the folder {tmp_path / 'hf'}"
+    )
+    assert saved_architecture(tmp_path / "hf") == CFG
 
 
 def test_missing_weights_are_a_clear_error(tmp_path):

@@ -336,6 +336,14 @@ def hub_id_hint(path: str | os.PathLike) -> str:
 
 
 # ---- reading -------------------------------------------------------------------------------------
+def folder_hint(file: Path) -> str:
+    """For a file inside an HF folder given where the folder is wanted (its config.json, its
+    model.safetensors): how to pass the folder, to append to an error; else ""."""
+    if file.is_file() and (file.parent / CONFIG_NAME).is_file():
+        return f"; to load the Hugging Face folder that holds it, pass the folder {file.parent}"
+    return ""
+
+
 def _read_json(file: Path) -> Any:
     """A JSON file of an HF folder; ValueError naming the file if it is not JSON (a download cut short)."""
     try:
@@ -371,7 +379,12 @@ class HFCheckpoint:
         self.config: dict[str, Any] | None = None
         if path.is_file():
             if path.suffix != ".safetensors":
-                raise ValueError(f"{path}: only .safetensors weights can be loaded (pickle files are unsafe)")
+                pickle = path.suffix in (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+                raise ValueError(
+                    f"{path}: only .safetensors weights can be loaded"
+                    + (" (pickle files are unsafe)" if pickle else "")
+                    + folder_hint(path)
+                )
             files = {path}
             self._file_of = {name: path for name in self._keys(path)}
         elif path.is_dir():

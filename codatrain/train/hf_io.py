@@ -16,7 +16,14 @@ from torch import nn
 from codatrain.config import FOLDER_PRESET, RunConfig, model_config
 from codatrain.data.tokenizer import TOKENIZER_FILES, folder_tokenizer, load_tokenizer, save_hf_tokenizer
 from codatrain.model.config import ArchitectureMismatch, LlamaConfig
-from codatrain.model.hf import DEFAULT_MAX_SHARD_BYTES, Delimiters, HFCheckpoint, config_from_hf, save_hf
+from codatrain.model.hf import (
+    DEFAULT_MAX_SHARD_BYTES,
+    Delimiters,
+    HFCheckpoint,
+    config_from_hf,
+    folder_hint,
+    save_hf,
+)
 from codatrain.model.layout import CanonicalModel
 from codatrain.train.canonical_state import CanonicalMapping
 from codatrain.train.checkpoint import (
@@ -50,7 +57,7 @@ def saved_architecture(path: str | os.PathLike) -> LlamaConfig:
         return LlamaConfig(**inspect_checkpoint(path, verify=False)["model_config"])
     config = hf_checkpoint(path).config
     if config is None:
-        raise ValueError(f"{path} has no config.json to take the architecture from")
+        raise ValueError(f"{path} has no config.json to take the architecture from{folder_hint(Path(path))}")
     return config_from_hf(config)
 
 
