@@ -74,6 +74,12 @@ def main(argv: list[str] | None = None) -> int:
             prompt_ids += tokenizer.encode_batch([args.prompt])[0].tolist()
         print(f"tokenizer: {tokenizer_spec}" + (f", {template}" if args.chat else ""), file=sys.stderr)
         model = load_model(args.path, args.device)
+        if tokenizer.vocab_size > model.cfg.vocab_size:  # its ids past the embedding: an IndexError or noise
+            setting = "--tokenizer" if args.tokenizer else "saved with the weights"
+            raise ValueError(
+                f"tokenizer {tokenizer_spec} ({setting}) has {tokenizer.vocab_size} token ids, more than the "
+                f"model's vocab_size={model.cfg.vocab_size}; use the tokenizer the model was trained with"
+            )
     except (CheckpointError, ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

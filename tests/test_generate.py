@@ -285,3 +285,22 @@ def test_a_tokenizer_out_of_reach_is_named_by_its_option(tmp_path, capsys):
     missing = tmp_path / "tok.json"
     assert script.main([str(tmp_path), "--tokenizer", str(missing)]) == 1
     assert capsys.readouterr().err == f"error: tokenizer '{missing}' (--tokenizer) does not exist\n"
+
+
+def test_a_tokenizer_with_more_ids_than_the_model_is_one_line(tmp_path, capsys):
+    # As training refuses it: its ids past the embedding were an IndexError traceback, or (for a
+    # prompt of low ids) a reply decoded with the wrong tokenizer, without a word.
+    tokenizers = pytest.importorskip("tokenizers")
+    script = load_script()
+    save_hf(tmp_path / "hf", CFG, tiny_model().state_dict().items())  # vocab_size 258
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, "</s>": 3, **{f"w{i}": 4 + i for i in range(296)}}
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    words.add_special_tokens(["</s>"])
+    words.save(str(tmp_path / "big.json"))
+    argv = ["--tokenizer", str(tmp_path / "big.json"), "--prompt", "hello", "--max-new-tokens", "3"]
+    assert script.main([str(tmp_path / "hf"), *argv]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: tokenizer {tmp_path / 'big.json'} (--tokenizer) has 300 token ids, more than the model's "
+        "vocab_size=258; use the tokenizer the model was trained with"
+    )
