@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
 import os
 import typing
 from dataclasses import dataclass, field
@@ -330,13 +331,32 @@ class RunConfig:
     logger: LoggerConfig = MISSING
 
 
+MAX_NAME_BYTES = 255  # the longest file name ext4, xfs and btrfs take
+
+
+def job_dirname(overrides: str) -> str:
+    """A sweep job's folder under train.run_dir: its overrides (Hydra's override_dirname) as they are,
+    but a part of them between slashes (which a path value brings) too long for a file name is cut,
+    with a hash of the whole part, so that jobs stay apart and a rerun finds its folder again."""
+    parts = []
+    for part in overrides.split("/"):
+        if len(part.encode()) > MAX_NAME_BYTES:
+            digest = hashlib.blake2b(part.encode(), digest_size=8).hexdigest()
+            part = part.encode()[:200].decode(errors="ignore") + f"...{digest}"
+        parts.append(part)
+    return "/".join(parts)
+
+
 def register_configs() -> None:
     """The schema as the base of configs/train.yaml: RunConfig types every group's node, so the
     group files need no schema of their own (which `--help` would list as a choice). And the
-    `expanduser` resolver, for Hydra's own output folder (hydra.run.dir, the run directory)."""
+    `expanduser` resolver, for Hydra's own output folder (hydra.run.dir, the run directory), and
+    `job_dirname`, for a sweep job's (hydra.sweep.subdir)."""
     ConfigStore.instance().store(name="run_schema", node=RunConfig)
     if not OmegaConf.has_resolver("expanduser"):
         OmegaConf.register_new_resolver("expanduser", os.path.expanduser)
+    if not OmegaConf.has_resolver("job_dirname"):
+        OmegaConf.register_new_resolver("job_dirname", job_dirname)
 
 
 def expand_home_in_overrides(overrides: list[str]) -> list[str]:

@@ -251,6 +251,53 @@ def test_each_job_of_a_sweep_trains_in_a_run_directory_of_its_own(tmp_path):
         assert (tmp_path / "sweep" / job / "checkpoints" / "step_2").is_dir()
 
 
+def test_a_sweep_job_whose_overrides_are_too_long_for_a_file_name_trains_in_a_cut_one(tmp_path):
+    """Overrides over 255 bytes together named a folder no file system takes: the sweep stopped with
+    Hydra's traceback, `OSError: [Errno 36] File name too long`."""
+    overrides = [
+        "train.steps=1",
+        "data=synthetic",
+        "data.seq_len=16",
+        "train.micro_batch_size=1",
+        "train.val_every=0",
+        "train.log_every=1",
+        "optim.warmup_steps=1",
+        "optim.weight_decay=0.05",
+        "optim.beta2=0.99",
+        "optim.grad_clip=0.5",
+        "model.n_layers=1",
+        "checkpoint.keep_last=2",
+        "train.tokens_per_step=null",
+        "logger.wandb.mode=disabled",
+        "optim.lr=0.001",
+    ]
+    command = [
+        sys.executable,
+        str(REPO / "scripts" / "train.py"),
+        "-m",
+        *overrides,
+        f"train.run_dir={tmp_path / 'sweep'}",
+    ]
+    for _ in range(2):  # a rerun finds the job's folder again, and resumes its checkpoint
+        proc = subprocess.run(
+            command,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    from codatrain.config import job_dirname
+
+    (job,) = [p for p in (tmp_path / "sweep").iterdir() if p.is_dir()]
+    full = job_dirname(",".join(sorted(overrides)))  # Hydra's override_dirname sorts them
+    assert job.name == full and len(full.encode()) <= 255 and full.startswith("checkpoint.keep_last=2,")
+    assert "nothing to train" in proc.stdout and (job / "checkpoints" / "step_1").is_dir()
+    assert job_dirname("a=/x/" + "b" * 300) == "a=/x/" + "b" * 200 + "..." + job_dirname("b" * 300)[-16:]
+    assert job_dirname("optim.lr=0.001,train.steps=2") == "optim.lr=0.001,train.steps=2"  # as before
+
+
 def test_a_resumed_run_trains_with_its_own_optimizer_values_not_the_checkpoints(tmp_path, capsys):
     """The checkpoint's parameter groups and scheduler state carry the lr and betas it was trained
     with; they silently won over a changed optim.lr while the header printed the new one."""
