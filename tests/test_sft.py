@@ -93,7 +93,7 @@ def test_prompt_and_response_are_a_user_turn_and_the_reply():
 
 
 WORDS = ["what", "is", "two", "plus", "four", "hi", "hello", "be", "brief", "system", "user", "assistant"]
-SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+SPECIALS = ["<s>", "</s>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
 
@@ -129,6 +129,34 @@ def test_chat_template_targets_the_assistant_turns_as_the_template_writes_them(t
     # sft_template=plain ignores the tokenizer's template.
     cfg = DataConfig(format="sft", source="files", tokenizer=str(tmp_path / "tok"), sft_template="plain")
     assert make_encoder(cfg, load_tokenizer(cfg.tokenizer))[1] == "the plain template"
+
+
+# As Qwen3's: an empty <think> block opens the assistant turns after the last user message only, so a
+# turn is written with it when it ends the conversation and without it when more follows.
+THINKING = ("{% set ns = namespace(last=0) %}{% for m in messages %}{% if m['role'] == 'user' %}"
+            "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+            "{% for m in messages %}<|im_start|>{{ m['role'] }} "
+            "{% if m['role'] == 'assistant' and loop.index0 > ns.last %}<think> </think> {% endif %}"
+            "{{ m['content'] }}<|im_end|> {% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
+
+
+def test_a_template_that_writes_earlier_assistant_turns_without_their_opening_targets_them(tmp_path):
+    words = chat_tokenizer(tmp_path / "tok", THINKING)
+    cfg = DataConfig(format="sft", source="files", tokenizer=str(tmp_path / "tok"))
+    encode = make_encoder(cfg, load_tokenizer(cfg.tokenizer))[0]
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": "what is two plus two"}, {"role": "assistant", "content": "four"},
+                {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    example = encode(messages, "row 1")
+    pieces = [(words[t], bool(m)) for t, m in zip(example.tokens.tolist(), example.is_target, strict=True)]
+    expected = []
+    for i, m in enumerate(messages):
+        learn = m["role"] == "assistant"
+        opening = [("<think>", True), ("</think>", True)] if i == len(messages) - 1 else []
+        expected += [("<|im_start|>", False), (m["role"], False), *opening,
+                     *((w, learn) for w in m["content"].split()), ("<|im_end|>", learn)]
+    assert pieces == expected
 
 
 @pytest.mark.parametrize("template", [

@@ -12,8 +12,11 @@ message) stops the run with a message naming the file and line (or the dataset r
 Templates. With a tokenizer folder that has a chat template, the conversation is rendered by
 `apply_chat_template`, and the targets are the tokens of each assistant turn as the template writes
 it (its content and end-of-turn marker): the text the template adds for turn i is the rendering of
-messages[:i+1] minus that of messages[:i] with the generation prompt. Otherwise (the byte tokenizer,
-a bare tokenizer.json, or `data.sft_template=plain`) the plain template is used:
+messages[:i+1] minus that of messages[:i] with the generation prompt. A template may write a turn
+that more of the conversation follows otherwise than a last one (Qwen3's writes the <think> block
+only in the turns after the last user message): such a turn ends where its content, as written, is
+followed by the end-of-turn text the template writes after it as the last turn. Otherwise (the byte
+tokenizer, a bare tokenizer.json, or `data.sft_template=plain`) the plain template is used:
 
     [BOS] <|role|>\\n content [EOS] <|role|>\\n content [EOS] ...
 
@@ -168,13 +171,19 @@ def chat_template_encoder(hf_tokenizer: Any) -> Encoder:
                 continue
             before = render(messages[:i], where, generation_prompt=True)
             through = render(messages[: i + 1], where)
-            if not (text.startswith(before) and text.startswith(through) and len(through) >= len(before)):
+            if text.startswith(before) and text.startswith(through) and len(through) >= len(before):
+                end = len(through)
+            elif text.startswith(before):
+                end = _end_of_an_earlier_turn(text, len(before), through, message["content"])
+            else:
+                end = None
+            if end is None:
                 raise ValueError(
                     f"{where}: the tokenizer's chat template does not render a conversation as the "
                     "rendering of its first turns plus more text, so the assistant's tokens cannot be "
                     "found; use data.sft_template=plain"
                 )
-            spans.append((len(before), len(through)))
+            spans.append((len(before), end))
         encoding = hf_tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         starts = np.array([start for start, _ in encoding["offset_mapping"]], dtype=np.int64)
         is_target = np.zeros(len(starts), dtype=bool)
@@ -183,6 +192,20 @@ def chat_template_encoder(hf_tokenizer: Any) -> Encoder:
         return Example(np.asarray(encoding["input_ids"], dtype=np.int64), is_target)
 
     return encode
+
+
+def _end_of_an_earlier_turn(text: str, start: int, through: str, content: str) -> int | None:
+    """Where in `text` an assistant turn that starts at `start` ends, for a template that writes the
+    turn otherwise when it is the last (`through`): after its content, the first time `text` holds it
+    from `start`, and the end-of-turn text that follows the content in `through`. None when `text`
+    has no such ending (the template rewrites more than the turn's opening)."""
+    content = content.strip()
+    found, in_through = text.find(content, start), through.rfind(content)
+    if not content or found < 0 or in_through < 0:
+        return None
+    closing = through[in_through + len(content):]
+    end = found + len(content)
+    return end + len(closing) if closing and text.startswith(closing, end) else None
 
 
 def templated_tokenizer(spec: str | None, template: SFTTemplate) -> Any | None:
