@@ -108,6 +108,15 @@ def test_the_folders_tokenizer_is_the_default_and_a_vocabulary_that_does_not_fit
                 f"data.path={tmp_path / 'text.txt'}", f"data.cache_dir={tmp_path / 'cache'}")
 
 
+def test_a_broken_tokenizer_of_the_folder_is_named_by_init_from(tmp_path):
+    hf_folder(tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer_config.json").write_text("{}")  # no tokenizer.json beside it
+    run = validate(load_config(["model=hf", f"checkpoint.init_from={tmp_path / 'hf'}"]))
+    named = rf"\(checkpoint\.init_from={re.escape(str(tmp_path))}/hf\) cannot be loaded by transformers "
+    with pytest.raises(ValueError, match=named + ".*needs its tokenizer.json"):
+        run_tokenizer(run)
+
+
 def test_a_checkpoint_keeps_its_tokenizer_for_init_from_and_generate(tmp_path, capsys):
     """Continued pretraining from an HF folder with a tokenizer, then SFT and generation from that
     run's checkpoint: both use the folder's tokenizer (its chat template too), which the checkpoint

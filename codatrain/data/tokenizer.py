@@ -59,7 +59,7 @@ class HFTokenizer:
         if not path.exists():
             raise FileNotFoundError(f"tokenizer {str(path)!r} ({setting}) does not exist{hub_id_hint(path)}")
         if path.is_dir() and (path / "tokenizer_config.json").is_file():
-            self._backend, self.bos_id, eos_id = _from_folder(path)
+            self._backend, self.bos_id, eos_id = _from_folder(path, setting)
         else:
             file = path / "tokenizer.json" if path.is_dir() else path
             if not file.is_file():
@@ -117,12 +117,17 @@ def _from_file(file: Path) -> tuple[object, int | None, int | None]:
     return backend, (bos if bos != eos else None), eos
 
 
-def _from_folder(folder: Path) -> tuple[object, int | None, int | None]:
+def _from_folder(folder: Path, setting: str) -> tuple[object, int | None, int | None]:
     try:
         from transformers import AutoTokenizer
     except ImportError as e:
         raise ImportError("a tokenizer folder needs `transformers` (pip install transformers)") from e
-    tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError) as error:  # e.g. a tokenizer_config.json whose tokenizer.json is missing
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"tokenizer {str(folder)!r} ({setting}) cannot be loaded by transformers "
+                         f"({reason}); a folder needs its tokenizer.json beside tokenizer_config.json") from None
     if not tok.is_fast:
         raise ValueError(f"tokenizer {str(folder)!r} has no fast (tokenizer.json) version")
     bos, eos = tok.bos_token_id, tok.eos_token_id

@@ -87,6 +87,7 @@ def run_tokenizer(run: RunConfig) -> tuple[str, str]:
     if chosen is None and trained_with is None:
         return "byte", "tokenizer: byte" + (f" ({source} names none)" if init_from else "")
     if chosen is None:
+        load_tokenizer(trained_with, source)  # a broken one is named by the option that brought it
         return trained_with, f"tokenizer: {trained_with} (the one {source} was trained with)"
     if trained_with is None or load_tokenizer(chosen).fingerprint == load_tokenizer(trained_with).fingerprint:
         return chosen, f"tokenizer: {chosen} (data.tokenizer)"
