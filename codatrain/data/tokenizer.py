@@ -127,7 +127,7 @@ def _from_folder(folder: Path, setting: str) -> tuple[object, int | None, int | 
     except (OSError, ValueError) as error:  # e.g. a tokenizer_config.json whose tokenizer.json is missing
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ValueError(f"tokenizer {str(folder)!r} ({setting}) cannot be loaded by transformers "
-                         f"({reason}); a folder needs its tokenizer.json beside tokenizer_config.json") from None
+                         f"({reason}); a folder needs tokenizer.json beside tokenizer_config.json") from None
     if not tok.is_fast:
         raise ValueError(f"tokenizer {str(folder)!r} has no fast (tokenizer.json) version")
     bos, eos = tok.bos_token_id, tok.eos_token_id
