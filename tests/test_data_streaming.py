@@ -604,6 +604,13 @@ def test_machines_split_the_shards_and_an_incomplete_directory_is_named(tmp_path
     assert markers == [f"shard-{shard_name(i, 4)}.json" for i in range(4)]
     with pytest.raises(ValueError, match="another tokenizer"):
         build(DataConfig(source=DataSource.tokens, path=str(out), tokenizer=str(tmp_path), seq_len=16))
+    # Shards of a version that encoded a special token written in a text as its id are not joined.
+    first = out / f"shard-{shard_name(0, 4)}.json"
+    marker = json.loads(first.read_text())
+    del marker["spec"]["text_encoding"]
+    first.write_text(json.dumps(marker))
+    with pytest.raises(ValueError, match=r"text_encoding: None there, 'special tokens as text' here"):
+        tokenize_to_dir(source, out, shards=4, processes=1)
 
 
 @pytest.mark.parametrize("sample_by", ["document", "paragraph", "line"])

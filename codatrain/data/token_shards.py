@@ -209,9 +209,11 @@ def open_token_dir(path: str | Path) -> tuple[dict[str, TokenShards], dict[str, 
 
 def shard_spec(source: Source, tokenizer: Tokenizer, val_fraction: float) -> dict[str, Any]:
     """What a shard is made from, as its marker records it: shards of one directory share it."""
+    # text_encoding: shards written before a special token in a document's text was encoded as text
+    # (HFTokenizer) have none, and new shards do not join them.
     return {"source": source.identity, "text_column": source.text_column,
             "max_documents": source.max_documents, "tokenizer": tokenizer.fingerprint,
-            "val_fraction": val_fraction}
+            "val_fraction": val_fraction, "text_encoding": "special tokens as text"}
 
 
 def check_joins(directory: Path, spec: dict[str, Any], count: int) -> None:
