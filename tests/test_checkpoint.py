@@ -525,6 +525,12 @@ def _disk_full(self, data):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
+def _export_fails_after_one_tensor(out_dir, cfg, tensors, tokenizer):
+    Path(out_dir).mkdir(parents=True)
+    next(iter(tensors))
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
 def _rank0_decides(rank: int, tmp: Path) -> None:
     for run_dir in ("fresh", "stale"):
         Run(tmp / run_dir, shard=True, rank=rank).ckpt.save(9, tokens_seen=9 * 512)
@@ -547,6 +553,14 @@ def _rank0_decides(rank: int, tmp: Path) -> None:
             full_disk.ckpt.save(3, tokens_seen=3 * 512)
         except CheckpointError as error:
             outcomes["disk full on rank 1"] = str(error)
+    # An HF export that rank 0 gives up part of the way: every rank raises, none waits in a gather.
+    with pytest.MonkeyPatch.context() as patch:
+        if rank == 0:
+            patch.setattr(checkpointer, "save_hf_with_tokenizer", _export_fails_after_one_tensor)
+        try:
+            full_disk.ckpt.export_hf(3)
+        except CheckpointError as error:
+            outcomes["hf export fails on rank 0"] = str(error)
     (tmp / f"outcomes_{rank}.json").write_text(json.dumps(outcomes))
 
 
@@ -617,7 +631,8 @@ def test_rank_zero_decides_for_every_rank_and_tidies_the_checkpoint_root(two_ran
     """With 2 ranks: rank 0 creates the checkpoint root and removes the leftovers of any earlier
     interrupted save (a .tmp-step_7 while saving step 9); what rank 0 finds wrong when choosing the
     checkpoint to resume is raised on every rank, with the real reason; so is a save that fails on
-    one rank only (a full disk), whose partial directory is removed."""
+    one rank only (a full disk), whose partial directory is removed, and an HF export that rank 0
+    gives up part of the way."""
     tmp_path = two_ranks["rank0"]
     for run_dir in ("fresh", "stale"):
         root = tmp_path / run_dir / "checkpoints"
@@ -630,6 +645,8 @@ def test_rank_zero_decides_for_every_rank_and_tidies_the_checkpoint_root(two_ran
     assert outcomes[0]["odd manifest"].startswith("AttributeError: ")
     assert "OSError on rank 1: [Errno 28] No space left on device" in outcomes[0]["disk full on rank 1"]
     assert list((tmp_path / "full_disk/checkpoints").iterdir()) == []
+    assert "(OSError: [Errno 28] No space left on device)" in outcomes[0]["hf export fails on rank 0"]
+    assert list((tmp_path / "full_disk/hf").iterdir()) == []
 
 
 def test_activation_checkpointing_wraps_every_block_but_the_last():

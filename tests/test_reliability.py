@@ -252,6 +252,29 @@ def test_disk_full_during_a_save_removes_the_partial_folder_and_keeps_the_last_c
     assert inspect_checkpoint(tmp_path / "checkpoints/step_2")["step"] == 2
 
 
+def test_a_failed_hf_export_is_one_checkpoint_error_and_leaves_no_partial_folder(tmp_path, monkeypatch):
+    run = saved_run(tmp_path, steps=(1,), save_hf_every=1)
+    hf = tmp_path / "hf"
+    hf.write_text("")  # not a folder: the export cannot be made there
+    with pytest.raises(CheckpointError) as error:
+        run.ckpt.export_hf(1)
+    message = str(error.value)
+    assert message.startswith(f"exporting Hugging Face weights to {hf / 'step_1'} failed (NotADirectoryError")
+    assert message.endswith("removed the partial .tmp-step_1, the checkpoints are kept")
+    assert "\n" not in message
+    hf.unlink()
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as patch:
+        patch.setattr("codatrain.model.hf.save_file", disk_full)
+        with pytest.raises(CheckpointError, match=r"\(OSError: \[Errno 28\] No space left on device\)"):
+            run.ckpt.export_hf(1)
+    assert list(hf.iterdir()) == []
+    assert (run.ckpt.export_hf(1) / WEIGHTS_NAME).is_file()  # with room again the same run exports
+
+
 def test_a_checkpoints_folder_that_cannot_be_made_is_a_checkpoint_error(tmp_path, monkeypatch):
     run = Run(tmp_path)
     run.step()

@@ -214,17 +214,31 @@ class Checkpointer:
 
     def export_hf(self, step: int) -> Path:
         """Write the current weights as an HF Llama directory `<run_dir>/hf/step_<step>`, with the
-        run's tokenizer."""
+        run's tokenizer.
+
+        A failed export (a full disk, an `hf` that is not a folder) removes its partial directory
+        and raises a CheckpointError on every rank, as a failed save does; the checkpoints stay."""
         out = self.run_dir / HF_EXPORTS_DIR / f"step_{step}"
+        tmp = out.with_name(f"{TMP_PREFIX}{out.name}")
         tensors = full_canonical_tensors(self.model, self.mapping)
+        error: OSError | None = None
         if process_rank() == 0:
-            tmp = out.with_name(f"{TMP_PREFIX}{out.name}")
-            shutil.rmtree(tmp, ignore_errors=True)
-            save_hf_with_tokenizer(tmp, self.model_cfg, tensors, self.tokenizer)
-            replace_dir(tmp, out)
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)
+                save_hf_with_tokenizer(tmp, self.model_cfg, tensors, self.tokenizer)
+                replace_dir(tmp, out)
+            except OSError as export_error:
+                error = export_error
+                shutil.rmtree(tmp, ignore_errors=True)  # a partial export must not keep the disk full
+        # Every rank takes part in every gather: the other ranks, and rank 0 after an export that
+        # failed part of the way (else the others would wait in the next gather for it).
+        for _ in tensors:
+            pass
+        message = first_error_of_any_rank(None if error is None else f"{type(error).__name__}: {error}")
+        if message is not None:
+            raise CheckpointError(f"exporting Hugging Face weights to {out} failed ({message}); removed the "
+                                  f"partial {tmp.name}, the checkpoints are kept") from error
+        if process_rank() == 0:
             self.log(f"exported Hugging Face weights to {out}")
-        else:
-            for _ in tensors:  # take part in the gathers
-                pass
         barrier()
         return out
