@@ -117,6 +117,24 @@ def test_a_resumed_run_drops_the_records_past_its_checkpoint(tmp_path):
     assert (tmp_path / "train.log").read_text() == "step 4/300 | val loss 1.0000\n"
 
 
+def test_a_last_metrics_line_cut_short_does_not_stop_the_resume(tmp_path):
+    """A full disk or a kill in the middle of a record's write leaves part of a line: the resumed run
+    drops it with the records past its checkpoint (it was 'error: Expecting ',' delimiter: line 1
+    column 25', naming no file, at every resume). A broken line before the last names the file."""
+    whole = "".join(json.dumps({"step": s, "loss": 9.0 - s}) + "\n" for s in range(1, 4))
+    (tmp_path / METRICS_FILE).write_text(whole + '{"step": 4, "loss": 2.8')
+    assert [r["step"] for r in read_records(tmp_path)] == [1, 2, 3]
+    run = validate(load_config([f"train.run_dir={tmp_path}"]))
+    logger = RunLogger(run, enabled=True)
+    logger.start(3)
+    logger.log({"step": 4, "val_loss": 1.0})
+    logger.close()
+    assert read_records(tmp_path)[-1] == {"step": 4, "val_loss": 1.0}
+    (tmp_path / METRICS_FILE).write_text('{"step": 1, "lo\n' + whole)
+    with pytest.raises(ValueError, match=rf"{METRICS_FILE}, line 1: not a metrics record"):
+        read_records(tmp_path)
+
+
 def test_allocator_retries_are_warned_at_first_and_when_doubled(monkeypatch):
     """A run at the card's capacity retries every step: one warning line at the first retries (the
     count, the step, the reserved peak against the card's memory), then only when the count has

@@ -130,9 +130,22 @@ class RunLogger:
 
 
 def read_records(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """Every record of a run's metrics.jsonl, in the order written."""
-    with open(os.path.join(run_dir, METRICS_FILE)) as f:
-        return [json.loads(line) for line in f]
+    """Every record of a run's metrics.jsonl, in the order written. A last line cut short (a full
+    disk, or a kill, in the middle of its write) is left out: it would stop every resume of the run
+    (RunLogger.start rewrites the file), and it holds no whole record. Any other line that is not a
+    record is a ValueError naming the file and line."""
+    path = os.path.join(run_dir, METRICS_FILE)
+    with open(path) as f:
+        lines = f.readlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as error:
+            if number == len(lines) and not line.endswith("\n"):
+                break
+            raise ValueError(f"{path}, line {number}: not a metrics record ({error})") from None
+    return records
 
 
 def read_losses(run_dir: str | os.PathLike) -> dict[int, float]:
