@@ -2,6 +2,7 @@
 the run stops after a step, saves there, says so in one line without a traceback, and the same
 command resumes it to the final step."""
 
+import json
 import os
 import re
 import signal
@@ -79,4 +80,34 @@ def test_sigterm_to_torchrun_stops_both_ranks_at_one_step_and_they_resume(tmp_pa
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {tmp_path / 'checkpoints' / f'step_{step}'} at step {step}" in resumed.stdout
     assert f"done: step {STEPS}/{STEPS}" in resumed.stdout
+    assert sorted(read_losses(tmp_path)) == list(range(1, STEPS + 1))
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_worker_stops_a_job_that_torchrun_may_restart(tmp_path):
+    """A stopped rank exits with 143, which torchrun's agent takes for a failure: with --max-restarts
+    it restarted the job, which resumed and trained on (only a signal to the agent itself ends it).
+    The restart now trains nothing; a relaunch of the same command resumes."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "--max-restarts=1", str(REPO / "scripts" / "train.py"), *RUN, f"train.run_dir={tmp_path}"]
+    # Restarts need it (README: Several nodes): else the restarted ranks read the old addresses.
+    env = {**environment(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step 3/"):  # rank 1 alone, as `kill <pid>` of one worker
+            os.kill(json.loads((tmp_path / "attempts/1/rank_00001.json").read_text())["pid"], signal.SIGTERM)
+            break
+    out, err = proc.communicate(timeout=300)
+    out = "".join(lines) + out
+    assert proc.returncode != 0
+    step = assert_stopped(out, err, tmp_path)
+    assert (f"not training: attempt 1 was stopped at step {step} by SIGTERM and torchrun restarted it "
+            "(--max-restarts); resume with the same command") in out
+    assert "done:" not in out
+    relaunched = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert relaunched.returncode == 0, relaunched.stderr[-3000:]
+    assert f"resumed from {tmp_path / 'checkpoints' / f'step_{step}'} at step {step}" in relaunched.stdout
     assert sorted(read_losses(tmp_path)) == list(range(1, STEPS + 1))

@@ -77,6 +77,20 @@ def describe_attempt(folder: Path) -> str | None:
         "; ".join(parts))
 
 
+def stopped_by_signal(folder: Path) -> tuple[str, int] | None:
+    """(signal, step) when every rank of the attempt in `folder` ended after a stop by Ctrl-C or
+    SIGTERM (stopping.py), else None."""
+    records = [json.loads(path.read_text()) for path in sorted(folder.glob("rank_*.json"))]
+    if not records or any(r.get("error") is not None or "stopped_by" not in r for r in records):
+        return None
+    return records[0]["stopped_by"], min(r["step"] for r in records)  # all ranks stop after one step
+
+
+def restarted_by_agent() -> bool:
+    """This process is a restart by torchrun's elastic agent (--max-restarts), not a launch."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+
+
 def _where(frame: Any) -> str:
     """`function (dir/file.py:line)` of the innermost frame, and of the innermost frame of ours
     under it when that is another one."""
@@ -120,12 +134,13 @@ def _outside_handler(frame: Any, signum: int) -> Any:
 class Attempt:
     """This start of the job: `Attempt(run_dir, dist_info)` on every rank (a collective), then
     `end(step, error)` on every rank, with `record_signals(...)` around what runs between.
-    `previous` is the report on the last attempt (rank 0 only; None when there was none or it
-    finished)."""
+    `previous` is the report on the last attempt (None when there was none or it finished);
+    `previous_stop` its (signal, step) when a stop signal ended it (every rank)."""
 
     def __init__(self, run_dir: str | os.PathLike, dist_info: DistInfo) -> None:
         self.root, self.dist = Path(run_dir) / ATTEMPTS_DIR, dist_info
-        number, self.previous = decide_on_rank0(self._number, OSError)
+        number, self.previous, self.previous_stop = decide_on_rank0(self._number, OSError)
+        self.number = number
         self.file = _rank_file(self.root / str(number), dist_info.rank)
         self.record: dict[str, Any] = {"rank": dist_info.rank, "world_size": dist_info.world_size,
                                        "host": socket.gethostname(), "pid": os.getpid(),
@@ -133,12 +148,15 @@ class Attempt:
         self._lock = threading.Lock()  # the signal thread writes the record too
         self._write()
 
-    def _number(self) -> tuple[int, str | None]:
+    def _number(self) -> tuple[int, str | None, tuple[str, int] | None]:
         self.root.mkdir(parents=True, exist_ok=True)
         numbers = sorted(int(p.name) for p in self.root.iterdir() if p.name.isdigit())
         number = numbers[-1] + 1 if numbers else 1
         (self.root / str(number)).mkdir()
-        return number, describe_attempt(self.root / str(numbers[-1])) if numbers else None
+        if not numbers:
+            return number, None, None
+        last = self.root / str(numbers[-1])
+        return number, describe_attempt(last), stopped_by_signal(last)
 
     def _write(self) -> None:
         # Whole or not at all: a SIGKILL may come in the middle, and the next attempt reads it.
@@ -146,14 +164,17 @@ class Attempt:
         partial.write_text(json.dumps(self.record))
         os.replace(partial, self.file)
 
-    def end(self, step: int, error: BaseException | None) -> None:
-        """Record how this rank ends: after step `step`, stopped by `error` or finished (None)."""
+    def end(self, step: int, error: BaseException | None, stopped_by: str | None = None) -> None:
+        """Record how this rank ends: after step `step`, stopped by `error` or finished (None), or
+        stopped by the signal `stopped_by` (stopping.py)."""
         message = None
         if error is not None:  # its first line: gloo's messages go on for several
             message = (f"{type(error).__name__}: {error}".splitlines() or [""])[0][:160]
         with self._lock:
             self.record.pop("signalled", None)
             self.record.update(ended=time.time(), step=step, error=message)
+            if stopped_by is not None:
+                self.record["stopped_by"] = stopped_by
             self._write()
 
     @contextlib.contextmanager

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -17,7 +18,7 @@ from codatrain.data import build_loaders
 from codatrain.kernels.checks import deferred_checks
 from codatrain.kernels.stages import IGNORE_INDEX
 from codatrain.model import build_model
-from codatrain.train.attempts import Attempt, sigterm_raises
+from codatrain.train.attempts import Attempt, restarted_by_agent, sigterm_raises
 from codatrain.train.canonical_state import init_weights
 from codatrain.train.checkpoint import CHECKPOINTS_DIR, checkpoint_dirs
 from codatrain.train.checkpointer import Checkpointer
@@ -33,7 +34,7 @@ from codatrain.train.distributed import (
 from codatrain.train.float8 import apply_float8
 from codatrain.train.fp8_allgather import refresh_scales, wrap_fp8_weights
 from codatrain.train.kernel_cache import KernelCache
-from codatrain.train.logger import RunLogger, format_duration
+from codatrain.train.logger import LOG_FILE, RunLogger, format_duration
 from codatrain.train.metrics import (
     alloc_retries,
     format_mfu,
@@ -460,6 +461,23 @@ class Trainer:
         self.logger.close()
 
 
+def _stopped_not_restarted(run: RunConfig, dist_info: DistInfo, attempt: Attempt) -> TrainResult:
+    """A start by torchrun's agent (--max-restarts) after Ctrl-C or SIGTERM stopped the job: a
+    stopped rank exits with 128 + the signal, which the agent takes for a failure and restarts, and
+    only a signal to the agent itself ends it. So a stop of the workers alone would be undone: this
+    start does not train, and ends as the stopped one did (so do the agent's further restarts)."""
+    signal_name, step = attempt.previous_stop
+    if dist_info.is_main:
+        line = (f"not training: attempt {attempt.number - 1} was stopped at step {step} by {signal_name} and "
+                "torchrun restarted it (--max-restarts); resume with the same command")
+        print(line, flush=True)
+        with open(os.path.join(run.train.run_dir, LOG_FILE), "a") as log:
+            log.write(line + "\n")
+    attempt.end(step, None, stopped_by=signal_name)
+    barrier()
+    return TrainResult(final_step=step, stopped_by=signal_name)
+
+
 def train(cfg: DictConfig) -> TrainResult:
     """Run a training job from a composed config (see configs/train.yaml)."""
     run = validate(cfg)
@@ -468,6 +486,8 @@ def train(cfg: DictConfig) -> TrainResult:
         # One job per run directory, from before anything is read or written there.
         with RunDirLock(run.train.run_dir, dist_info.is_main), sigterm_raises():
             attempt, trainer = Attempt(run.train.run_dir, dist_info), None
+            if attempt.previous_stop is not None and restarted_by_agent():
+                return _stopped_not_restarted(run, dist_info, attempt)
             try:
                 with attempt.record_signals(lambda: trainer.step if trainer else 0):
                     trainer = Trainer(run, dist_info)
@@ -481,7 +501,7 @@ def train(cfg: DictConfig) -> TrainResult:
             finally:
                 if trainer:
                     trainer.close()
-            attempt.end(trainer.step, None)
+            attempt.end(trainer.step, None, stopped_by=result.stopped_by)
         return result
     finally:
         shutdown_distributed()
