@@ -15,7 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from codatrain.config import expand_home_in_overrides, register_configs, unknown_override_key
 from codatrain.kernels.stages import BackendUnavailableError
@@ -30,8 +30,12 @@ register_configs()
 def main(cfg: DictConfig) -> None:
     if HydraConfig.get().mode == RunMode.MULTIRUN:  # the job's own folder (configs/train.yaml: sweep)
         cfg.train.run_dir = HydraConfig.get().runtime.output_dir
+    hydra = HydraConfig.get()
+    # What Hydra's output_subdir held (configs/train.yaml says why the run writes it).
+    record = {"config.yaml": cfg, "hydra.yaml": OmegaConf.create({"hydra": hydra}),
+              "overrides.yaml": OmegaConf.create(list(hydra.overrides.task))}
     try:
-        result = train(cfg)
+        result = train(cfg, config_record=record)
     except (ValueError, FileNotFoundError, BackendUnavailableError, CheckpointError, NonFiniteError,
             RunDirError) as error:
         # Bad input, an unusable run dir, a failed save or a diverged run: one clear line, not a

@@ -393,6 +393,25 @@ def test_a_child_forked_by_the_lock_holder_does_not_keep_the_lock_when_the_holde
         os.kill(child, signal.SIGKILL)
 
 
+def test_a_job_that_the_lock_refuses_leaves_the_running_jobs_config_record(tmp_path):
+    """Hydra wrote <run_dir>/.hydra (the composed config, the overrides) before the job asked for the
+    lock: a second job refused by it overwrote the record of the one running. The run writes it once
+    it holds the directory."""
+    command = [sys.executable, str(REPO / "scripts/train.py"), f"train.run_dir={tmp_path}", "data=synthetic",
+               "train.steps=1", "train.val_every=0", "checkpoint.at_end=false", "train.progress=false"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with RunDirLock(tmp_path, True):  # a job running there
+        refused = subprocess.run([*command, "optim.lr=0.5"], capture_output=True, text=True, timeout=120,
+                                 env=env)
+    assert refused.returncode == 1 and "is in use by another training job" in refused.stderr
+    assert not (tmp_path / ".hydra").exists()
+    ran = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert "- train.steps=1\n" in (tmp_path / ".hydra/overrides.yaml").read_text()
+    assert "steps: 1\n" in (tmp_path / ".hydra/config.yaml").read_text()
+    assert (tmp_path / ".hydra/hydra.yaml").is_file()
+
+
 # ---- D9: file modes -------------------------------------------------------------------------------------
 def test_hf_exports_have_the_mode_of_other_outputs(tmp_path):
     run = saved_run(tmp_path, steps=(1,))

@@ -8,10 +8,11 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from codatrain.config import RunConfig, validate
 from codatrain.data import build_loaders
@@ -57,6 +58,8 @@ from codatrain.train.plan import build_run_plan
 from codatrain.train.profiling import StepProfiler
 from codatrain.train.run_lock import RunDirLock
 from codatrain.train.stopping import StopSignals
+
+CONFIG_RECORD_DIR = ".hydra"  # where Hydra's output_subdir was: the composed config and overrides
 
 
 class NonFiniteError(RuntimeError):
@@ -478,13 +481,19 @@ def _stopped_not_restarted(run: RunConfig, dist_info: DistInfo, attempt: Attempt
     return TrainResult(final_step=step, stopped_by=signal_name)
 
 
-def train(cfg: DictConfig) -> TrainResult:
-    """Run a training job from a composed config (see configs/train.yaml)."""
+def train(cfg: DictConfig, config_record: dict[str, Any] | None = None) -> TrainResult:
+    """Run a training job from a composed config (see configs/train.yaml); `config_record` (file
+    name -> config) goes into `<run_dir>/.hydra/` once the job holds the run directory."""
     run = validate(cfg)
     dist_info = init_distributed(run.train.device)
     try:
         # One job per run directory, from before anything is read or written there.
         with RunDirLock(run.train.run_dir, dist_info.is_main), sigterm_raises():
+            if config_record and dist_info.is_main:
+                folder = Path(run.train.run_dir) / CONFIG_RECORD_DIR
+                folder.mkdir(exist_ok=True)
+                for name, config in config_record.items():
+                    OmegaConf.save(config, folder / name)
             attempt, trainer = Attempt(run.train.run_dir, dist_info), None
             if attempt.previous_stop is not None and restarted_by_agent():
                 return _stopped_not_restarted(run, dist_info, attempt)
