@@ -80,6 +80,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"tokenizer {tokenizer_spec} ({setting}) has {tokenizer.vocab_size} token ids, more than the "
                 f"model's vocab_size={model.cfg.vocab_size}; use the tokenizer the model was trained with"
             )
+        # The KV cache holds prompt and reply, at most max_seq_len positions: past it, generate()'s
+        # ValueError was a traceback about a cache the user never sized.
+        room = model.cfg.max_seq_len - len(prompt_ids)
+        if args.max_new_tokens > room:
+            ask = (f"--max-new-tokens {room} at most" if room > 0
+                   else f"a prompt of fewer than {model.cfg.max_seq_len} tokens")
+            raise ValueError(
+                f"the prompt's {len(prompt_ids)} tokens and --max-new-tokens {args.max_new_tokens} need "
+                f"{len(prompt_ids) + args.max_new_tokens} positions, more than the model's "
+                f"max_seq_len={model.cfg.max_seq_len}; ask for {ask}"
+            )
     except (CheckpointError, ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -279,6 +279,18 @@ def test_sampling_settings_it_cannot_use_are_a_usage_error(tmp_path, capsys, opt
     assert capsys.readouterr().err.endswith(f" error: {message}\n")
 
 
+def test_a_reply_past_the_models_max_seq_len_is_one_line_naming_the_most_new_tokens(tmp_path, capsys):
+    # It was generate()'s ValueError about the KV cache's capacity, as a traceback.
+    script = load_script()
+    save_hf(tmp_path, CFG, tiny_model().state_dict().items())  # max_seq_len 64
+    argv = [str(tmp_path), "--prompt", "hi", "--device", "cpu"]  # BOS and two bytes
+    assert script.main([*argv, "--max-new-tokens", "62"]) == 1
+    assert capsys.readouterr().err.endswith(
+        "error: the prompt's 3 tokens and --max-new-tokens 62 need 65 positions, more than the model's "
+        "max_seq_len=64; ask for --max-new-tokens 61 at most\n")
+    assert script.main([*argv, "--max-new-tokens", "61"]) == 0
+
+
 def test_a_tokenizer_out_of_reach_is_named_by_its_option(tmp_path, capsys):
     script = load_script()
     save_hf(tmp_path, CFG, tiny_model().state_dict().items())
