@@ -308,7 +308,7 @@ def fwd_bwd_fns(
         return (torch.randn(*shape, device=device) * fan_in**-0.5).to(dtype)
 
     with torch.device(device):
-        layer = CodaLayer(c).to(dtype)
+        layer = CodaLayer(c, 0).to(dtype)  # a middle layer; its index only names FP8 amax histories
         block = Block(c).to(dtype)
     with torch.no_grad():
         for p in layer.parameters():
