@@ -52,7 +52,7 @@ import torch
 from codatrain.kernels.attention import get_attention
 from codatrain.kernels.fp8 import Fp8Tensor, QuantizeTo
 from codatrain.kernels.resolve import resolve_block
-from codatrain.kernels.stages import IGNORE_INDEX, StageBackend, get_backend
+from codatrain.kernels.stages import IGNORE_INDEX, BackendUnavailableError, StageBackend, get_backend
 from codatrain.model.coda import CodaLayer, ForwardStep
 from codatrain.model.config import LlamaConfig, get_preset
 from codatrain.model.llama import Block, rope_cos_sin
@@ -837,7 +837,8 @@ def main() -> None:
     p.add_argument("--impl", default="cute", help="stage backend to time: cute | reference | auto")
     p.add_argument("--model", default="llama3_8b", help="model preset for the widths")
     p.add_argument("--tokens", type=int, default=8192, help="M, tokens per micro-batch")
-    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per sequence (default: 4096, or --tokens when fewer)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=100)
@@ -867,16 +868,24 @@ def main() -> None:
                         "none named: all) under candidate tiles and FP8 mainloops")
     p.add_argument("--json", type=Path, help="write the measurements to this file")
     args = p.parse_args()
+    if args.seq_len is None:  # a CPU's few tokens (the docstring's example) make one sequence
+        args.seq_len = min(4096, args.tokens)
     if args.tokens % args.seq_len:
         p.error(f"--tokens {args.tokens} must be a multiple of --seq-len {args.seq_len}")
 
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():  # torch's own error is an AssertionError
+        p.error(f"--device {args.device}: no CUDA device is available here; use --device cpu (with "
+                "--impl reference)")
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
     cfg = get_preset(args.model)
     dtype = torch.bfloat16
-    block = resolve_block("coda", args.impl, args.attention, device)
+    try:
+        block = resolve_block("coda", args.impl, args.attention, device)
+    except BackendUnavailableError as error:  # --impl cute (the default) on a CPU
+        p.error(f"--impl {args.impl}: {error}")
     s, ref = block.stages, get_backend("reference", device)
     attention_name = block.attention
     x = Inputs(cfg, args.tokens, args.seq_len, device, dtype, s.head_chunk_rows(cfg.vocab_size))

@@ -22,3 +22,25 @@ def test_the_headline_layer_forward_and_backward_runs_on_the_reference_stages(tm
     assert done.returncode == 0, done.stderr[-3000:]
     times = json.loads((tmp_path / "bench.json").read_text())["fwd_bwd"]
     assert set(times) == {"eager", "CODA", "floor"} and all(ms > 0 for ms in times.values())
+
+
+def test_the_docstrings_cpu_command_runs_with_one_sequence_of_its_tokens(tmp_path):
+    # `--tokens 512 --device cpu` was refused: --tokens must be a multiple of --seq-len, whose
+    # default was 4096 whatever the tokens.
+    done = bench_block(tmp_path, "--impl", "reference", "--model", "tiny", "--tokens", "512",
+                       "--device", "cpu", "--warmup", "1", "--iters", "1", "--sections", "layer")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "layer fwd (CODA vs floor vs eager)" in done.stdout
+
+
+def test_a_device_or_backend_this_machine_lacks_is_a_usage_error(tmp_path, monkeypatch):
+    # Both were tracebacks: torch's AssertionError "Torch not compiled with CUDA enabled" for the
+    # default --device cuda, the backend's BackendUnavailableError for the default --impl cute.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    no_gpu = bench_block(tmp_path, "--model", "tiny", "--tokens", "128")
+    assert no_gpu.returncode == 2
+    assert no_gpu.stderr.splitlines()[-1] == ("bench_block.py: error: --device cuda: no CUDA device is "
+                                              "available here; use --device cpu (with --impl reference)")
+    cute_on_cpu = bench_block(tmp_path, "--model", "tiny", "--tokens", "128", "--device", "cpu")
+    assert cute_on_cpu.returncode == 2
+    assert cute_on_cpu.stderr.splitlines()[-1].startswith("bench_block.py: error: --impl cute: ")
