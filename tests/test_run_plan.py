@@ -64,3 +64,13 @@ def test_precompile_plans_the_kernels_of_the_job_on_the_target():
     assert cpu.model_cfg == target.model_cfg and cpu.data == target.data
     with pytest.raises(ValueError, match=r"train.tokens_per_step=8192 is not a multiple of .* = 6144"):
         build_run_plan(run, torch.device("cpu"), world_size=3)
+
+
+@pytest.mark.parametrize("overrides, schedule", [
+    (["optim=wsd", "optim.decay_fraction=0.125"], "wsd to 0.1× over the last 12.5% of steps"),
+    # It was "constant to 0.1×": a floor the constant schedule never goes to.
+    (["optim.schedule=constant"], "constant"),
+])
+def test_run_header_names_the_schedule_as_it_runs(overrides, schedule):
+    header = build_run_plan(validate(load_config(overrides)), torch.device("cpu")).header()[1]
+    assert header.startswith(f"recipe: AdamW lr 0.003, 20 warmup steps, {schedule} | weight decay 0.1 | ")

@@ -107,15 +107,20 @@ class RunPlan:
             dtype += f", layer GEMMs in {self.fp8.describe()}"
             if self.fp8_all_gather:
                 dtype += ", weights all-gathered in fp8"
+        # What follows the warmup: a constant lr has no floor, and wsd holds the peak until its decay.
+        schedule = f"{optim.schedule} to {optim.min_lr_ratio:g}×"
+        if optim.schedule == "constant":
+            schedule = "constant"
+        elif optim.schedule == "wsd":
+            schedule += f" over the last {100 * optim.decay_fraction:g}% of steps"
         return [
             f"codatrain | block={self.block.describe()} | {run.model.preset}: "
             f"{cfg.num_params() / 1e6:.1f}M params, {cfg.flops_per_token(self.data.seq_len) / 1e9:.3f} "
             f"GFLOP/token | {self.world_size} × {self.device}{mesh} | seq {self.data.seq_len} × micro-batch "
             f"{run.train.micro_batch_size} × accum {self.grad_accum} = {self.tokens_per_step} tokens/step "
             f"| {dtype}",
-            f"recipe: AdamW lr {optim.lr:g}, {optim.warmup_steps} warmup steps, {optim.schedule} to "
-            f"{optim.min_lr_ratio:g}× | weight decay {optim.weight_decay:g} | betas ({optim.beta1:g}, "
-            f"{optim.beta2:g}) | grad clip {clip}",
+            f"recipe: AdamW lr {optim.lr:g}, {optim.warmup_steps} warmup steps, {schedule} | weight decay "
+            f"{optim.weight_decay:g} | betas ({optim.beta1:g}, {optim.beta2:g}) | grad clip {clip}",
             self.tokenizer_line,
         ]
 
