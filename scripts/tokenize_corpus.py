@@ -22,7 +22,7 @@ import time
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from codatrain.config import load_config, validate
+from codatrain.config import load_config, unknown_override_key, validate
 from codatrain.data.pretokenize import default_shards, tokenize_to_dir
 
 
@@ -36,6 +36,8 @@ def main(argv: list[str]) -> int | str:
     parser.add_argument("--machine", type=int, default=0, help="this machine's index")
     parser.add_argument("--machines", type=int, default=1, help="machines sharing the work")
     args = parser.parse_intermixed_args(argv)
+    if (unknown := unknown_override_key(args.overrides)) is not None:  # as scripts/train.py names it
+        return f"error: {unknown}"
     try:
         cfg = load_config(args.overrides)
         validate(cfg)

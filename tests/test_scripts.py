@@ -31,3 +31,20 @@ def test_help_prints_the_usage_and_writes_nothing(tmp_path, script):
     after = repository_files()
     assert {path: after.get(path) for path in before} == before
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("script, extra", [
+    ("precompile.py", ["kernels.cache_dir=unused"]),
+    ("kernel_report.py", []),
+    ("memory_report.py", []),
+    ("tokenize_corpus.py", ["--out", "unused"]),
+])
+def test_a_misspelt_key_is_named_with_the_nearest_as_train_py_names_it(tmp_path, script, extra):
+    # It was Hydra's "Could not override 'train.stesp'. To append to your config use
+    # +train.stesp=3", an override the run's schema then refuses too.
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / script), *extra, "train.stesp=3"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[-1] == ("error: unknown config key 'train.stesp'; did you mean "
+                                            "train.steps? (docs/config.md lists every key)")
+    assert not list(tmp_path.iterdir())

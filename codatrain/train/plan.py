@@ -21,6 +21,7 @@ from codatrain.config import (
     Precision,
     RunConfig,
     load_config,
+    unknown_override_key,
     validate,
 )
 from codatrain.data.config import DataConfig
@@ -216,6 +217,9 @@ def target_plan(overrides: list[str]) -> RunPlan:
     scripts/train.py's `overrides` give, with block=coda unless they name a block (the scripts that
     build or inspect the CuTeDSL kernels without a GPU). Raises ValueError or hydra's
     ConfigCompositionException naming a bad key."""
+    # A misspelt key as scripts/train.py names it: Hydra's message offers `+key=value`, which fails too.
+    if (unknown := unknown_override_key(overrides)) is not None:
+        raise ValueError(unknown)
     if not any(o.split("=")[0].lstrip("+~") == "block" for o in overrides):
         overrides = ["block=coda", *overrides]
     return build_run_plan(validate(load_config(overrides)), None)
