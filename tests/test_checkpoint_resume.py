@@ -116,6 +116,18 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, monkeypa
     assert resumed.losses == {s: uninterrupted[s] for s in range(5, STEPS + 1)}
 
 
+def test_the_error_that_stops_a_run_ends_its_train_log(tmp_path, monkeypatch):
+    # train.log keeps the console's lines, but the error went to the console alone: the log of a
+    # diverged run stopped after its last record, with no word of why.
+    with monkeypatch.context() as patch:
+        nan_loss_on_steps(patch, {3})
+        with pytest.raises(NonFiniteError) as error:
+            run(tmp_path)
+    last = (tmp_path / LOG_FILE).read_text().splitlines()[-1]
+    assert last == f"error: NonFiniteError: {error.value}"
+    assert last.startswith("error: NonFiniteError: step 3: ")
+
+
 def test_skip_nonfinite_steps_skips_up_to_n(tmp_path, monkeypatch):
     with monkeypatch.context() as patch:
         nan_loss_on_steps(patch, {3})

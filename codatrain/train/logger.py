@@ -89,6 +89,14 @@ class RunLogger:
             self.log_file.write(message + "\n")
             self.log_file.flush()
 
+    def record_error(self, error: Exception) -> None:
+        """The error that ends the run, into train.log only: the console shows it already (the
+        script's error line or the traceback), and without it the log of a diverged or failed run
+        just stops, with no word of why."""
+        if self.log_file is not None:
+            self.log_file.write(f"error: {type(error).__name__}: {error}\n")
+            self.log_file.flush()
+
     def advance(self, step: int) -> None:
         if self.progress is not None:
             self.progress.update(self.task, completed=step)

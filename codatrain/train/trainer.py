@@ -506,6 +506,8 @@ def train(cfg: DictConfig, config_record: dict[str, Any] | None = None) -> Train
                     barrier()  # no rank tears the process group down while another still talks to it
             except BaseException as error:
                 attempt.end(trainer.step if trainer else 0, error)
+                if trainer and isinstance(error, Exception):
+                    trainer.logger.record_error(error)
                 raise
             finally:
                 if trainer:
