@@ -33,6 +33,12 @@ def main(argv: list[str]) -> int | str:
     parser.add_argument("--sms", type=int, default=HOPPER_SMS, help="SMs of the target GPU")
     parser.add_argument("--check", action="store_true", help="only check the cache")
     args = parser.parse_intermixed_args(argv)
+    # No compile process at all would record the config as built, kernels none: `--check` and
+    # kernels.on_stale=fail would then pass a cache that holds nothing.
+    if args.jobs is not None and args.jobs < 1:
+        parser.error(f"argument --jobs: must be 1 or more, got {args.jobs}")
+    if args.sms < 1:
+        parser.error(f"argument --sms: must be 1 or more, got {args.sms}")
 
     try:
         # The training job's plan, for the target: a Hopper GPU with the cuda extras.

@@ -30,6 +30,7 @@ from codatrain.kernels.cache import (
     cache_stamp,
     compile_env,
     ensure_cache,
+    precompile,
     read_manifest,
 )
 from codatrain.train.distributed import DistInfo
@@ -246,6 +247,19 @@ def test_script_check_and_nothing_to_compile(tmp_path):
     assert proc.returncode == 1 and "stale:" in proc.stdout and "never built" in proc.stdout
     proc = precompile_script("model=tiny")
     assert proc.returncode == 1 and "kernels.cache_dir" in proc.stderr
+
+
+def test_no_compile_process_is_refused_before_a_manifest_is_written(tmp_path):
+    # --jobs -1 started no compile process and recorded the config as built with no kernels, so
+    # --check said "fits"; then a traceback (max() of no kernel names).
+    proc = precompile_script("--jobs", "-1", f"kernels.cache_dir={tmp_path / 'script'}")
+    assert proc.returncode == 2 and "argument --jobs: must be 1 or more, got -1" in proc.stderr
+    proc = precompile_script("--sms", "0", f"kernels.cache_dir={tmp_path / 'script'}")
+    assert proc.returncode == 2 and "argument --sms: must be 1 or more, got 0" in proc.stderr
+    assert not (tmp_path / "script").exists()
+    with pytest.raises(ValueError, match="jobs must be positive"):
+        precompile(tiny_shapes(), tmp_path / "library", jobs=-2)
+    assert read_manifest(tmp_path / "library") is None
 
 
 @pytest.mark.slow

@@ -271,6 +271,8 @@ def precompile(
     (this process imports no CUDA-side package); they print their progress to stderr.
     Raises KernelCacheError when a kernel fails to compile.
     """
+    if jobs is not None and jobs < 0:  # no worker: a manifest that records kernels never compiled
+        raise ValueError(f"precompile: jobs must be positive (0 or None: one per core), got {jobs}")
     cache_dir = Path(cache_dir).resolve()
     with _locked(cache_dir):
         return _build(shapes, cache_dir, num_sms, jobs or default_jobs(), log)
