@@ -181,6 +181,32 @@ def test_wandb_offline_run_records_the_resolved_config(tmp_path, monkeypatch):
     assert len(runs) == 1 and runs[0].stat().st_size > 0
 
 
+def test_wandb_closes_a_run_that_ends_on_an_error_as_failed(tmp_path, monkeypatch):
+    # wandb.finish() without an exit code: a diverged or crashed run showed as finished.
+    import wandb
+
+    exit_codes = []
+
+    class Run:
+        def log(self, record, step):
+            pass
+
+        def finish(self, exit_code=None):
+            exit_codes.append(exit_code)
+
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: Run())
+    run(tmp_path / "ok", "train.steps=1", "logger.wandb.mode=offline")
+    assert exit_codes == [None]
+
+    def train_step(self, batches):
+        raise RuntimeError("lost the device")
+
+    monkeypatch.setattr(Trainer, "train_step", train_step)
+    with pytest.raises(RuntimeError, match="lost the device"):
+        run(tmp_path / "failed", "train.steps=1", "logger.wandb.mode=offline")
+    assert exit_codes == [None, 1]
+
+
 def test_wandb_that_cannot_start_is_one_error_before_training(tmp_path, monkeypatch):
     """An online run without an API key (or the network): wandb's error, named by the key that
     asked for it, with the way out; the run directory is free for the next attempt."""

@@ -41,6 +41,7 @@ class RunLogger:
         self.console = Console(stderr=False)
         self.log_file: IO[str] | None = None
         self.wandb_run = None
+        self.failed = False  # record_error: the run ends on an error
         self.progress = None
         self.clock = (time.perf_counter(), 0)  # (when, at which step) the rates' ETA counts from
         if not enabled:
@@ -92,10 +93,11 @@ class RunLogger:
     def record_error(self, error: Exception) -> None:
         """The error that ends the run, into train.log only: the console shows it already (the
         script's error line or the traceback), and without it the log of a diverged or failed run
-        just stops, with no word of why."""
+        just stops, with no word of why. wandb then closes the run as failed."""
         if self.log_file is not None:
             self.log_file.write(f"error: {type(error).__name__}: {error}\n")
             self.log_file.flush()
+        self.failed = True  # wandb marks the run failed, not finished
 
     def advance(self, step: int) -> None:
         if self.progress is not None:
@@ -132,7 +134,7 @@ class RunLogger:
         if self.progress is not None:
             self.progress.stop()
         if self.wandb_run is not None:
-            self.wandb_run.finish()
+            self.wandb_run.finish(exit_code=1 if self.failed else None)
         if self.log_file is not None:
             self.log_file.close()
 
