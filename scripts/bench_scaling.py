@@ -51,7 +51,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from codatrain.config import load_config, validate
+from codatrain.config import load_config, unknown_override_key, validate
 from codatrain.train.logger import METRICS_FILE, read_losses, read_records, windowed
 from codatrain.train.plan import data_parallel_mesh
 from codatrain.train.runs import REPO, VARIANTS, Launch, run_variant, software_versions, summarize, train_job
@@ -281,8 +281,10 @@ def main() -> None:
         p.error(f"unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}")
     if args.steps < 2 or args.steps % 2:
         p.error("--steps must be even (the N-process run saves its checkpoint halfway)")
-    if args.warmup >= args.throughput_steps:
-        p.error("--warmup must be smaller than --throughput-steps")
+    if not 0 <= args.warmup < args.throughput_steps:
+        p.error("--warmup must be 0 or more and smaller than --throughput-steps")
+    if args.window < 1:  # checked here, not after every leg has run: windowed() steps by it
+        p.error(f"--window must be at least 1, got {args.window}")
     if args.nproc < 1 or args.nnodes < 1:
         p.error("--nproc and --nnodes must be at least 1")
     if not 0 <= args.node_rank < args.nnodes:
@@ -297,6 +299,8 @@ def main() -> None:
         mesh = mesh_overrides(args.mesh)
     except ValueError as error:
         p.error(str(error))
+    if (unknown := unknown_override_key(args.overrides)) is not None:  # as scripts/train.py names it
+        p.error(f"overrides: {unknown}")
     try:
         run = validate(load_config(args.overrides))
     except Exception as error:  # a bad override: one line naming it, before any job starts

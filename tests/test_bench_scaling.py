@@ -124,6 +124,27 @@ def test_bad_override_is_named_before_any_job(tmp_path):
     assert not (tmp_path / "scaling").exists()
 
 
+@pytest.mark.parametrize("options, refusal", [
+    # --window 0 ran every leg, then stopped in a traceback (range() with a step of 0).
+    (["--window", "0"], "--window must be at least 1, got 0"),
+    # --warmup -1 with --throughput-steps 0 ran the legs, whose train.steps=0 each refused.
+    (["--throughput-steps", "0", "--warmup", "-1"], "--warmup must be 0 or more and smaller than "
+                                                      "--throughput-steps"),
+])
+def test_options_no_check_can_use_are_refused_before_any_job(tmp_path, options, refusal):
+    proc = bench(tmp_path / "scaling", *options)
+    assert proc.returncode == 2 and f"error: {refusal}" in proc.stderr
+    assert not (tmp_path / "scaling").exists()
+
+
+def test_a_misspelt_override_is_named_with_the_nearest_key(tmp_path):
+    # It was Hydra's "Could not override ... To append to your config use +train.stesp=3".
+    proc = bench(tmp_path / "scaling", overrides=["train.stesp=3"])
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1].endswith("error: overrides: unknown config key 'train.stesp'; did "
+                                                 "you mean train.steps? (docs/config.md lists every key)")
+
+
 def test_several_nodes_need_a_rendezvous(tmp_path):
     proc = bench(tmp_path / "scaling", "--nnodes", "2")
     assert proc.returncode == 2
