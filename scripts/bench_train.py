@@ -35,6 +35,7 @@ import json
 import time
 from pathlib import Path
 
+from codatrain.config import load_config, unknown_override_key, validate
 from codatrain.train.runs import REPO, VARIANTS, Launch, run_variant, software_versions, summarize
 
 
@@ -149,8 +150,17 @@ def main() -> None:
         unknown = [n for n in names if n not in VARIANTS]
         if unknown:
             parser.error(f"unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}")
-        if args.warmup >= args.steps:
-            parser.error("--warmup must be smaller than --steps")
+        if not 0 <= args.warmup < args.steps:
+            parser.error("--warmup must be 0 or more and smaller than --steps")
+        # A bad override, before any variant's job starts: each would fail alike, reported only as
+        # its exit code in the table.
+        if (unknown := unknown_override_key(args.overrides)) is not None:
+            parser.error(f"overrides: {unknown}")
+        for name in names:  # with each variant's own overrides, as run_variant composes them
+            try:
+                validate(load_config([*VARIANTS[name], "train.tokens_per_step=null", *args.overrides]))
+            except Exception as error:
+                parser.error(f"overrides, variant {name}: {error}")
         report = {"overrides": args.overrides, "steps": args.steps, "warmup": args.warmup,
                   "nproc": args.nproc, "date": time.strftime("%Y-%m-%d"), "software": software_versions(),
                   "variants": []}

@@ -84,3 +84,21 @@ def test_a_run_stopped_after_one_variant_keeps_its_report(tmp_path, monkeypatch)
     report = json.loads((tmp_path / "bench_train.json").read_text())
     assert [v["variant"] for v in report["variants"]] == ["eager"]
     assert report["variants"][0]["timed_steps"] == 2
+
+
+@pytest.mark.parametrize("options, overrides, refusal", [
+    # Each variant's job failed alike, shown only as "exit code 1" in the table.
+    ([], ["train.stesp=3"], "overrides: unknown config key 'train.stesp'; did you mean train.steps? "
+                            "(docs/config.md lists every key)"),
+    ([], ["block.attention=sdpa"], "overrides, variant eager: block.attention='sdpa' chooses the CODA "
+                                   "block's kernels; it needs block=coda"),
+    (["--steps", "0", "--warmup", "-1"], [], "--warmup must be 0 or more and smaller than --steps"),
+])
+def test_options_and_overrides_no_variant_can_run_are_refused_before_any_job(tmp_path, options, overrides,
+                                                                            refusal):
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_train.py"), "--variants", "coda_reference,eager",
+           "--out", str(tmp_path / "out"), *options, "--", *overrides]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1] == f"bench_train.py: error: {refusal}"
+    assert not (tmp_path / "out").exists()
