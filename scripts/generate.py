@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             prompt_ids = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
             prompt_ids += tokenizer.encode_batch([args.prompt])[0].tolist()
+        if not prompt_ids:  # no position to predict from: the model's forward failed on an empty batch
+            raise ValueError(f"tokenizer {tokenizer_spec} has no BOS token to start from, so an empty prompt "
+                             "leaves nothing to continue; give --prompt")
         print(f"tokenizer: {tokenizer_spec}" + (f", {template}" if args.chat else ""), file=sys.stderr)
         model = load_model(args.path, args.device)
         if tokenizer.vocab_size > model.cfg.vocab_size:  # its ids past the embedding: an IndexError or noise

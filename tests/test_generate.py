@@ -291,6 +291,17 @@ def test_a_reply_past_the_models_max_seq_len_is_one_line_naming_the_most_new_tok
     assert script.main([*argv, "--max-new-tokens", "61"]) == 0
 
 
+def test_an_empty_prompt_without_a_bos_token_is_one_line(tmp_path, capsys):
+    # The default --prompt "" with a tokenizer without BOS (Qwen's) gave the model an empty batch:
+    # torch's embedding error as a traceback.
+    script = load_script()
+    save_hf(tmp_path, CFG, tiny_model().state_dict().items())
+    save_word_tokenizer(tmp_path)  # </s> only
+    assert script.main([str(tmp_path), "--max-new-tokens", "3", "--device", "cpu"]) == 1
+    assert capsys.readouterr().err == (f"error: tokenizer {tmp_path} has no BOS token to start from, so an "
+                                       "empty prompt leaves nothing to continue; give --prompt\n")
+
+
 def test_a_tokenizer_out_of_reach_is_named_by_its_option(tmp_path, capsys):
     script = load_script()
     save_hf(tmp_path, CFG, tiny_model().state_dict().items())
