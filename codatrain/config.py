@@ -184,7 +184,7 @@ class OptimConfig:
     eps: float = 1e-8  # AdamW's epsilon
     schedule: Schedule = Schedule.cosine  # after the warmup: cosine decay, warmup-stable-decay or constant
     warmup_steps: int = 20  # linear warmup from 0 to lr, in optimizer steps
-    decay_fraction: float = 0.2  # wsd: share of steps spent in the final decay
+    decay_fraction: float = 0.2  # wsd: share of steps in the final decay (which waits for the warmup's end)
     grad_clip: float = 1.0  # the gradient norm is clipped to this; <= 0 disables clipping
 
     def __post_init__(self) -> None:

@@ -57,6 +57,18 @@ def test_schedules():
     assert lr_factor(99, 100, wsd) == pytest.approx(0.05)
 
 
+def test_wsd_decays_from_the_peak_when_the_warmup_runs_into_its_decay():
+    # llama3_125m's recipe (715 warmup steps) with optim=wsd and train.steps=800: the decay was to
+    # start at step 640, so after the warmup's peak at 714 step 715 fell to 0.58 of it at once.
+    wsd = OptimConfig(schedule="wsd", warmup_steps=715, decay_fraction=0.2, min_lr_ratio=0.1)
+    factors = [lr_factor(step, 800, wsd) for step in range(800)]
+    assert factors[714] == factors[715] == 1.0
+    after = factors[714:]
+    assert all(later <= earlier for earlier, later in zip(after, after[1:], strict=False))
+    assert all(earlier - later == pytest.approx(0.9 / 85) for earlier, later in zip(after[1:], after[2:],
+                                                                                    strict=False))
+
+
 def test_an_update_flagged_nonfinite_changes_nothing_and_a_divisor_scales_the_gradients():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))

@@ -81,8 +81,11 @@ def lr_factor(step: int, total_steps: int, cfg: OptimConfig) -> float:
         progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
     if cfg.schedule == "wsd":
-        decay_steps = max(1, round(cfg.decay_fraction * total_steps))
-        decay_start = total_steps - decay_steps
+        # A warmup that runs past the decay's start ends the stable phase at the peak and decays from
+        # there: decaying on from where the decay would have been by then dropped the lr at once
+        # (llama3_125m's 715 warmup steps in 800: from the peak to 0.58 of it in one step).
+        decay_start = max(total_steps - max(1, round(cfg.decay_fraction * total_steps)), cfg.warmup_steps)
+        decay_steps = max(1, total_steps - decay_start)
         if step < decay_start:
             return 1.0
         return floor + (1 - floor) * max(0.0, 1 - (step - decay_start) / decay_steps)
