@@ -142,14 +142,18 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     work = Path(args.work)
     small, large = work / "corpus", work / "corpus10x"
-    if not small.is_dir():
+    reused = small.is_dir()
+    if not reused:
         write_corpus(small, args.mb, args.files)
+    # A corpus an earlier call wrote is measured as it is: its own files, not --mb and --files.
+    num_files = len(list(small.glob("*.jsonl")))
     if not large.is_dir():
         ten_times(small, large)
     tokenizer = args.tokenizer or train_tokenizer(small, args.vocab, work / "tokenizer.json")
     cores = os.cpu_count()
-    print(f"{cores} cores; corpus {sum(f.stat().st_size for f in small.iterdir()) / 2**20:.0f} MB in "
-          f"{args.files} files; tokenizer {tokenizer}")
+    print(f"{cores} cores; corpus {sum(f.stat().st_size for f in small.iterdir()) / 2**20:.1f} MiB in "
+          f"{num_files} files" + (f" (written by an earlier call into {work}; --mb and --files apply to a "
+                                  "new --work)" if reused else "") + f"; tokenizer {tokenizer}")
 
     def files(path: Path, **extra) -> DataConfig:
         return DataConfig(source=DataSource.files, path=str(path), tokenizer=tokenizer, val_fraction=0.0,
@@ -163,7 +167,7 @@ def main(argv: list[str]) -> int:
             shutil.rmtree(out, ignore_errors=True)
             load, free = os.getloadavg()[0], available_cores(processes)
             cpu, started = children_cpu_seconds(), time.perf_counter()
-            results = tokenize_to_dir(files(small), out, shards=args.files, processes=processes)
+            results = tokenize_to_dir(files(small), out, shards=num_files, processes=processes)
             seconds, cpu = time.perf_counter() - started, children_cpu_seconds() - cpu
             runs.append((sum(r.tokens for r in results) / seconds, cpu / seconds, free, load))
         rate, busy, free, load = max(runs)
@@ -176,7 +180,7 @@ def main(argv: list[str]) -> int:
               f"(best of {args.repeats})", flush=True)
     large_tokens = work / "tokens10x"
     if not large_tokens.is_dir():
-        tokenize_to_dir(files(large), large_tokens, shards=10 * args.files, processes=cores)
+        tokenize_to_dir(files(large), large_tokens, shards=10 * num_files, processes=cores)
     rows = []
     for name, corpus, tokens in (("corpus", small, work / f"tokens_p{cores}"),
                                  ("10x corpus", large, large_tokens)):
