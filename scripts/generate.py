@@ -22,7 +22,7 @@ import sys
 import torch
 
 from codatrain.data.sft import generation_prompt
-from codatrain.data.tokenizer import load_tokenizer
+from codatrain.data.tokenizer import check_vocab, load_tokenizer
 from codatrain.model import Llama
 from codatrain.model.generate import generate
 from codatrain.model.hf import hub_id_hint
@@ -77,12 +77,8 @@ def main(argv: list[str] | None = None) -> int:
                              "leaves nothing to continue; give --prompt")
         print(f"tokenizer: {tokenizer_spec}" + (f", {template}" if args.chat else ""), file=sys.stderr)
         model = load_model(args.path, args.device)
-        if tokenizer.vocab_size > model.cfg.vocab_size:  # its ids past the embedding: an IndexError or noise
-            setting = "--tokenizer" if args.tokenizer else "saved with the weights"
-            raise ValueError(
-                f"tokenizer {tokenizer_spec} ({setting}) has {tokenizer.vocab_size} token ids, more than the "
-                f"model's vocab_size={model.cfg.vocab_size}; use the tokenizer the model was trained with"
-            )
+        setting = "--tokenizer" if args.tokenizer else "saved with the weights"
+        check_vocab(tokenizer.vocab_size, model.cfg.vocab_size, f"tokenizer {tokenizer_spec} ({setting})")
         # The KV cache holds prompt and reply, at most max_seq_len positions: past it, generate()'s
         # ValueError was a traceback about a cache the user never sized.
         room = model.cfg.max_seq_len - len(prompt_ids)

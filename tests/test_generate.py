@@ -324,6 +324,6 @@ def test_a_tokenizer_with_more_ids_than_the_model_is_one_line(tmp_path, capsys):
     argv = ["--tokenizer", str(tmp_path / "big.json"), "--prompt", "hello", "--max-new-tokens", "3"]
     assert script.main([str(tmp_path / "hf"), *argv]) == 1
     assert capsys.readouterr().err.splitlines()[-1] == (
-        f"error: tokenizer {tmp_path / 'big.json'} (--tokenizer) has 300 token ids, more than the model's "
-        "vocab_size=258; use the tokenizer the model was trained with"
+        f"error: tokenizer {tmp_path / 'big.json'} (--tokenizer) has 300 token ids, more than "
+        "model.vocab_size=258; use the tokenizer the model was trained with"
     )

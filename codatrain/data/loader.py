@@ -39,7 +39,7 @@ from codatrain.data.sources import SPLIT_VERSION, Source, embedded_source, files
 from codatrain.data.streaming import BoundedValidation, StreamLoader, StreamWindows
 from codatrain.data.token_cache import tokenize_source
 from codatrain.data.token_shards import TokenShards, open_token_dir
-from codatrain.data.tokenizer import Tokenizer, load_tokenizer
+from codatrain.data.tokenizer import Tokenizer, check_vocab, load_tokenizer
 from codatrain.data.workers import worker_init_fn
 
 # Windows in each split of the synthetic source: far more than any benchmark reads in an epoch.
@@ -208,13 +208,13 @@ def build_loaders(
 
     if cfg.source == "synthetic":
         vocab_size = SyntheticWindows.vocab_size
-        _check_vocab(vocab_size, model_vocab_size, "synthetic")
+        check_vocab(vocab_size, model_vocab_size, "data.tokenizer=synthetic")
         train_set = SyntheticWindows(cfg.seq_len, seed, 0, SYNTHETIC_WINDOWS, cfg.keep_document_boundaries)
         val_set = SyntheticWindows(cfg.seq_len, seed, 1, SYNTHETIC_WINDOWS, cfg.keep_document_boundaries)
     else:
         tokenizer = load_tokenizer(cfg.tokenizer)
         vocab_size = tokenizer.vocab_size
-        _check_vocab(vocab_size, model_vocab_size, cfg.tokenizer)
+        check_vocab(vocab_size, model_vocab_size, f"data.tokenizer={cfg.tokenizer or 'byte'}")
     common = dict(vocab_size=vocab_size, batch_size=batch_size, rank=rank, world_size=world_size,
                   seed=seed, device=device)
     reports: list[str | None] = [None, None]
@@ -295,12 +295,6 @@ def _stream_loaders(cfg: DataConfig, common: dict) -> tuple[StreamLoader, Bounde
     val = BoundedValidation(validation, cfg.tokenizer, held_out, cfg.val_tokens, skip_bad, cfg.seq_len,
                             cfg.keep_document_boundaries, make_loader)
     return train, val
-
-
-def _check_vocab(vocab_size: int, model_vocab_size: int, tokenizer: str | None) -> None:
-    if vocab_size > model_vocab_size:
-        raise ValueError(f"data.tokenizer={tokenizer or 'byte'} has {vocab_size} token ids, more than "
-                         f"model.vocab_size={model_vocab_size}; use the tokenizer the model was trained with")
 
 
 def prepare_streams(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> Streams:

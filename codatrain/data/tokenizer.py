@@ -134,6 +134,14 @@ def _from_folder(folder: Path, setting: str) -> tuple[object, int | None, int | 
     return tok.backend_tokenizer, (bos if bos != eos else None), eos
 
 
+def check_vocab(vocab_size: int, model_vocab_size: int, named: str) -> None:
+    """ValueError when the tokenizer `named` (e.g. "data.tokenizer=byte") has ids past the model's
+    embedding: training would index past it, generation decode noise."""
+    if vocab_size > model_vocab_size:
+        raise ValueError(f"{named} has {vocab_size} token ids, more than model.vocab_size="
+                         f"{model_vocab_size}; use the tokenizer the model was trained with")
+
+
 def load_tokenizer(spec: str | None, setting: str = "data.tokenizer") -> Tokenizer:
     """`byte` (or None), or a local tokenizer.json / Hugging Face tokenizer folder (`setting`: the
     option that named it, for errors)."""
