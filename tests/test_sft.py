@@ -109,22 +109,27 @@ def chat_tokenizer(folder, template=CHATML):
     return {i: w for w, i in vocab.items()}
 
 
+WORD_CHAT = [{"role": "system", "content": "be brief"},
+             {"role": "user", "content": "what is two plus two"}, {"role": "assistant", "content": "four"},
+             {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+
+
+def targeted_words(example, words):
+    """(word, is it a target) for each token of `example`."""
+    return [(words[t], bool(m)) for t, m in zip(example.tokens.tolist(), example.is_target, strict=True)]
+
+
 def test_chat_template_targets_the_assistant_turns_as_the_template_writes_them(tmp_path):
     words = chat_tokenizer(tmp_path / "tok")
     cfg = DataConfig(format="sft", source="files", tokenizer=str(tmp_path / "tok"))
     encode, template = make_encoder(cfg, load_tokenizer(cfg.tokenizer))
     assert template == "the tokenizer's chat template"
-    messages = [{"role": "system", "content": "be brief"},
-                {"role": "user", "content": "what is two plus two"}, {"role": "assistant", "content": "four"},
-                {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
-    example = encode(messages, "hand-written")
-    pieces = [(words[t], bool(m)) for t, m in zip(example.tokens.tolist(), example.is_target, strict=True)]
     expected = []
-    for m in messages:  # the assistant's words and its end-of-turn marker are the targets
+    for m in WORD_CHAT:  # the assistant's words and its end-of-turn marker are the targets
         learn = m["role"] == "assistant"
         expected += [("<|im_start|>", False), (m["role"], False), *((w, learn) for w in m["content"].split()),
                      ("<|im_end|>", learn)]
-    assert pieces == expected
+    assert targeted_words(encode(WORD_CHAT, "hand-written"), words) == expected
 
     # sft_template=plain ignores the tokenizer's template.
     cfg = DataConfig(format="sft", source="files", tokenizer=str(tmp_path / "tok"), sft_template="plain")
@@ -145,18 +150,13 @@ def test_a_template_that_writes_earlier_assistant_turns_without_their_opening_ta
     words = chat_tokenizer(tmp_path / "tok", THINKING)
     cfg = DataConfig(format="sft", source="files", tokenizer=str(tmp_path / "tok"))
     encode = make_encoder(cfg, load_tokenizer(cfg.tokenizer))[0]
-    messages = [{"role": "system", "content": "be brief"},
-                {"role": "user", "content": "what is two plus two"}, {"role": "assistant", "content": "four"},
-                {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
-    example = encode(messages, "row 1")
-    pieces = [(words[t], bool(m)) for t, m in zip(example.tokens.tolist(), example.is_target, strict=True)]
     expected = []
-    for i, m in enumerate(messages):
+    for i, m in enumerate(WORD_CHAT):
         learn = m["role"] == "assistant"
-        opening = [("<think>", True), ("</think>", True)] if i == len(messages) - 1 else []
+        opening = [("<think>", True), ("</think>", True)] if i == len(WORD_CHAT) - 1 else []
         expected += [("<|im_start|>", False), (m["role"], False), *opening,
                      *((w, learn) for w in m["content"].split()), ("<|im_end|>", learn)]
-    assert pieces == expected
+    assert targeted_words(encode(WORD_CHAT, "row 1"), words) == expected
 
 
 @pytest.mark.parametrize("template", [
