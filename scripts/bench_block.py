@@ -674,6 +674,19 @@ def fp8_fns(s: StageBackend, x: Inputs) -> dict[str, dict[str, Callable]]:
         return call
 
     rope = gemm_stages_rope_args(x)
+    qk_norm = {}
+    if x.cfg.qk_norm:  # Qwen3: F4 with its QK-norm
+        head_dim, rope_heads, *rope_scalars = rope
+        norm = {key: (torch.rand(head_dim, device=x.x.device) + 0.5).to(x.h.dtype)
+                for key in ("q_weight", "k_weight")}
+        z_pairs = torch.empty(2, x.m, x.qkv.shape[1] // 2, dtype=x.qkv.dtype, device=x.x.device)
+        qk_norm["F4 QKV · rstd + QK-norm + RoPE"] = {
+            "stage": lambda: fp8_stages.fp8_gemm_rstd_qknorm_rope(
+                h8, w_qkv8, one, x.rstd, x.positions, None, norm["q_weight"], norm["k_weight"], qkv, z_pairs,
+                head_dim, x.cfg.n_heads, rope_heads, EPS, *rope_scalars, False),
+            **scaled_mm(h8, w_qkv8),
+            "bf16 stage": lambda: s.gemm_rstd_qknorm_rope(x.h, x.w_qkv, x.rstd, x.positions, **x.rope,
+                                                          q_heads=x.cfg.n_heads, eps=EPS, **norm)}
     return {
         "F1 out-proj + residual + x² → h FP8": {
             "stage": residual_rms(o8, w_o8), **scaled_mm(o8, w_o8),
@@ -685,10 +698,11 @@ def fp8_fns(s: StageBackend, x: Inputs) -> dict[str, dict[str, Callable]]:
             "stage": residual_rms(y8, w_down8), **scaled_mm(y8, w_down8),
             "bf16 stage": lambda: s.gemm_residual_rms(x.y, x.w_down, x.x, x.gamma)},
         "F4 QKV · rstd + RoPE": {
-            "stage": lambda: fp8_stages.fp8_gemm_rstd_rope(h8, w_qkv8, one, x.rstd, x.positions, qkv, *rope,
-                                                           False),
+            "stage": lambda: fp8_stages.fp8_gemm_rstd_rope(h8, w_qkv8, one, x.rstd, x.positions, None, qkv,
+                                                           *rope, False),
             **scaled_mm(h8, w_qkv8),
             "bf16 stage": lambda: s.gemm_rstd_rope(x.h, x.w_qkv, x.rstd, x.positions, **x.rope)},
+        **qk_norm,
         "Bdswiglu down dgrad + dSwiGLU": {
             "stage": lambda: fp8_bwd_stages.fp8_gemm_dswiglu(dx8, w_down_t8, one, x.preact, *dswiglu_out,
                                                              False),

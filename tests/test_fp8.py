@@ -187,7 +187,8 @@ def quantization_error(dtype: torch.dtype) -> float:
 
 @pytest.mark.parametrize("wgrad_fp8", [True, False], ids=["wgrad_fp8", "wgrad_bf16"])
 @pytest.mark.parametrize("grad_format", ["e5m2", "e4m3"])
-@pytest.mark.parametrize("name", ["mha-L1", "gqa4-L2", "gqa2-L3", "llama3-tied-L2", "mqa6-L5"])
+@pytest.mark.parametrize("name", ["mha-L1", "gqa4-L2", "gqa2-L3", "llama3-tied-L2", "mqa6-L5",
+                                  "qwen2-bias-L3", "qwen3-qknorm-L3"])
 def test_fp8_loss_and_every_gradient_are_within_fp8s_own_error_of_fp64(name, grad_format, wgrad_fp8):
     """The criterion: with ε the measured relative error of quantizing an operand (e4m3: 0.026,
     e5m2: 0.053) and L the layers, every gradient's relative error against fp64 is at most
@@ -204,8 +205,11 @@ def test_fp8_loss_and_every_gradient_are_within_fp8s_own_error_of_fp64(name, gra
 
 
 @pytest.mark.parametrize("wgrad_fp8", [True, False], ids=["wgrad_fp8", "wgrad_bf16"])
-def test_evaluation_records_no_amax_and_training_records_every_operand_of_the_recipe(wgrad_fp8):
-    cfg = CONFIGS["gqa2-L3"]
+@pytest.mark.parametrize("name", ["gqa2-L3", "qwen2-bias-L3", "qwen3-qknorm-L3"])
+def test_evaluation_records_no_amax_and_training_records_every_operand_of_the_recipe(name, wgrad_fp8):
+    """Qwen2's QKV bias and Qwen3's QK-norm included: their dz reaches FP8 after the bias gradient
+    and the QK-norm's backward, and its amax is recorded as the RoPE backward's is."""
+    cfg = CONFIGS[name]
     recipe = Fp8Recipe(wgrad_fp8=wgrad_fp8)
     model = CodaLlama(cfg, fp8=recipe)
     tokens, targets = batch(cfg, 2, 13, ignore=False)
@@ -249,13 +253,6 @@ def test_the_fp8_model_keeps_no_more_for_its_backward_than_the_compute_dtype_mod
     assert kept_fp8 <= kept_compute
 
 
-@pytest.mark.parametrize("key", ["qkv_bias", "qk_norm"])
-def test_fp8_refuses_the_qkv_epilogues_it_does_not_cover(key):
-    cfg = CONFIGS["qwen2-bias-L3" if key == "qkv_bias" else "qwen3-qknorm-L3"]
-    with pytest.raises(ValueError, match=f"^block.precision=fp8 does not cover model.{key}=true yet"):
-        CodaLlama(cfg, fp8=Fp8Recipe())
-
-
 class RecordingStages(ReferenceStages):
     """The reference stages, recording every `quantize` call: the input's shape, the request, and
     the shapes of the FP8 copies made before it that are still alive."""
@@ -264,13 +261,40 @@ class RecordingStages(ReferenceStages):
         super().__init__()
         self.calls: list[tuple[tuple[int, ...], QuantizeTo, list[tuple[int, ...]]]] = []
         self._made: list[tuple[tuple[int, ...], weakref.ref]] = []
+        self.inputs: list[torch.Tensor] = []
 
     def quantize(self, x: torch.Tensor, to: QuantizeTo) -> Fp8Tensor:
         alive = [shape for shape, data in self._made if data() is not None]
         self.calls.append((tuple(x.shape), to, alive))
+        self.inputs.append(x)
         quantized = super().quantize(x, to)
         self._made.append((tuple(x.shape), weakref.ref(quantized.data)))
         return quantized
+
+
+def test_the_qkv_bias_gradient_sums_the_dz_that_then_reaches_fp8():
+    """With a QKV bias the RoPE backward writes dz in the activation dtype: the bias gradient sums
+    those values (not their FP8 copy, FP8's few % of error on every element), and that same dz is
+    then quantized for the QKV GEMMs' dgrad and weight gradient."""
+    cfg = CONFIGS["qwen2-bias-L3"]
+    summed: list[torch.Tensor] = []
+
+    class Stages(RecordingStages):
+        def bias_grad(self, dz: torch.Tensor) -> torch.Tensor:
+            summed.append(dz)
+            return super().bias_grad(dz)
+
+    stages = Stages()
+    block = ResolvedBlock("coda", "reference", "sdpa", stages, sdpa_attention)
+    model = CodaLlama(cfg, block, fp8=Fp8Recipe())
+    tokens, targets = batch(cfg, 2, 16, ignore=False)
+    model(tokens, targets).backward()
+    assert len(summed) == cfg.n_layers
+    qkv_grad = {id(x) for x, (_, to, _) in zip(stages.inputs, stages.calls, strict=True)
+                if to.transposed and x.shape == summed[0].shape}
+    for dz in summed:
+        assert isinstance(dz, torch.Tensor) and dz.dtype == torch.float32
+        assert id(dz) in qkv_grad
 
 
 def weight_quantize_calls(cfg_name: str):

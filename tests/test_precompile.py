@@ -312,15 +312,17 @@ def test_precompile_tiny_for_sm90a(tmp_path, widths, fa4_kernels):
 )
 def test_precompile_fp8_for_sm90a(tmp_path):
     """block.precision=fp8, with the weight gradients in bf16, then in FP8, then in FP8 with every
-    stage on fast accumulation (built into the same cache: a later build compiles only what it
-    adds). A job's two kinds of micro-step on fake tensors, a run's first (current scaling: F1/F3
-    write h in bf16 and a quantize pass follows) and a later one (delayed scaling: F1/F3 write h in
-    FP8), then find every kernel they launch in the cache (tests/fake_job.py): the FP8 layer GEMMs,
-    forward and backward, and every quantize pass with its format and width, row-major or into both
-    orientations."""
-    # The second build loads all but a few kernels: one compile process is the quicker there.
+    stage on fast accumulation, then Qwen2's and Qwen3's models (built into the same cache: a later
+    build compiles only what it adds). A job's two kinds of micro-step on fake tensors, a run's
+    first (current scaling: F1/F3 write h in bf16 and a quantize pass follows) and a later one
+    (delayed scaling: F1/F3 write h in FP8), then find every kernel they launch in the cache
+    (tests/fake_job.py): the FP8 layer GEMMs, forward and backward, and every quantize pass with
+    its format and width, row-major or into both orientations."""
+    # The second build loads all but a few kernels: one compile process is the quicker there. The
+    # last two add Qwen2's QKV bias and Qwen3's QK-norm (F4's FP8 variants, their RoPE backwards).
     builds = ((["block.fp8_wgrad=false"], 8, "2"), (["block.fp8_wgrad=true"], 8, "1"),
-              (["block.fp8_wgrad=true", "block.fp8_fast_accum=true"], 8, "2"))
+              (["block.fp8_wgrad=true", "block.fp8_fast_accum=true"], 8, "2"),
+              (["block.fp8_wgrad=true", *QKV_BIAS], 8, "1"), (["block.fp8_wgrad=true", *QK_NORM], 8, "1"))
     for extra, quantize_passes, jobs in builds:
         overrides = [*FP8_STAGES, *extra]
         proc = precompile_script("model=tiny", *overrides, f"kernels.cache_dir={tmp_path}", "--jobs", jobs)
@@ -332,6 +334,8 @@ def test_precompile_fp8_for_sm90a(tmp_path):
         stages = ("F1 out-proj on FP8", "F2 gate/up on FP8", "F3 down-proj on FP8", "F4 QKV on FP8",
                   "dSwiGLU in the down-proj dgrad, FP8", "norm backward + residual gradient of the gate/up "
                   "and QKV dgrads, FP8", "LM head linear cross-entropy")
+        if "model.qk_norm=true" in extra:
+            stages += ("F4 QKV on FP8 operands · rstd + QK-norm + RoPE", "QK-norm + RoPE backward")
         for stage in stages:
             assert any(name.startswith(stage) for name in kernels), f"{stage} missing from {kernels}"
         assert len([name for name in kernels if name.startswith("quantize")]) == quantize_passes, kernels

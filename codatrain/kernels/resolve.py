@@ -66,17 +66,11 @@ class ResolvedBlock:
         (one line naming the key, and the nearest widths or the block that run it), or None when
         they can; `fp8`: with FP8 layer GEMMs (block.precision=fp8). Any vocabulary runs."""
         widths = {"model.dim": dim, "model.ffn_dim": ffn_dim, "model.head_dim": head_dim}
-        if fp8:
-            if self.cute_stages:
-                problem = _width_problem(widths, FP8_ROW_MULTIPLE, "with block.precision=fp8 on "
-                                         "block.backend=cute: FP8 operands move in 16-byte rows")
-                if problem:
-                    return problem
-            # rope_bwd writes dz in FP8 only, and the bias gradient and the QK-norm's backward read it.
-            for key, on in (("qkv_bias", qkv_bias), ("qk_norm", qk_norm)):
-                if on:
-                    return (f"block.precision=fp8 does not cover model.{key}=true yet; use "
-                            "block.precision=bf16")
+        if fp8 and self.cute_stages:
+            problem = _width_problem(widths, FP8_ROW_MULTIPLE, "with block.precision=fp8 on "
+                                     "block.backend=cute: FP8 operands move in 16-byte rows")
+            if problem:
+                return problem
         if self.cute_stages:
             problem = _width_problem(widths, ROW_MULTIPLE, "on block.backend=cute: its kernels move rows in "
                                      "16-byte units")

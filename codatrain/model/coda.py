@@ -292,12 +292,13 @@ def _qkv_backward(
     k_norm: torch.Tensor | None, f: Fp8Step | None, layer: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """F4's epilogue backward: (dz, the attention norm's zdz, db_qkv, dq_norm, dk_norm), None for
-    what the model lacks; dz in FP8 when the weight gradients are (a model with FP8 has neither
-    bias nor QK-norm)."""
+    what the model lacks; dz in FP8 when the weight gradients are. The RoPE backward writes that
+    FP8 dz itself; the bias gradient is a column sum of the unrounded dz and the QK-norm's
+    backward writes it in the activation dtype, so with either dz reaches FP8 after them."""
     bias = {} if b_qkv is None else {"bias": b_qkv}
     dq_norm = dk_norm = None
     if q_norm is None:
-        dz_fp8 = _fp8_arg(f, layer, Operand.qkv_grad, "dz_fp8") if _wgrad_fp8(f) else {}
+        dz_fp8 = _fp8_arg(f, layer, Operand.qkv_grad, "dz_fp8") if _wgrad_fp8(f) and b_qkv is None else {}
         dz, zdz = s.rope_bwd(dqkv, qkv, positions, **c.rope, **bias, **dz_fp8)
         if dz_fp8:
             _record(f, layer, Operand.qkv_grad, dz)
@@ -306,6 +307,8 @@ def _qkv_backward(
                                             q_weight=q_norm, k_weight=k_norm, eps=c.eps, **bias)
         dq_norm, dk_norm = dq.to(q_norm.dtype), dk.to(k_norm.dtype)
     db_qkv = None if b_qkv is None else s.bias_grad(dz).to(b_qkv.dtype)
+    if _wgrad_fp8(f) and not isinstance(dz, Fp8Tensor):
+        dz = _quantize(s, f, layer, Operand.qkv_grad, dz)
     return dz, zdz, db_qkv, dq_norm, dk_norm
 
 

@@ -185,7 +185,7 @@ def test_fp8_gemm_rstd_rope(ref, shape, rope, use_compile):
 
     def run(h8, w8, ab_inv_scale, rstd, pos):
         qkv = nan_like(fp32, torch.bfloat16)
-        fp8_stages.fp8_gemm_rstd_rope(h8, w8, ab_inv_scale, rstd, pos, qkv, *args, False)
+        fp8_stages.fp8_gemm_rstd_rope(h8, w8, ab_inv_scale, rstd, pos, None, qkv, *args, False)
         return qkv
 
     check("qkv", staged(run, use_compile)(h8, w8, 1 / (sh * sw), rstd, pos), bf16, fp32)

@@ -154,14 +154,38 @@ def test_gemm_rstd_swiglu_stage(ref, cute, shape, use_compile):
     check_operand("y", out.y, fp32.y, to)
 
 
-def test_gemm_rstd_rope_stage(ref, cute, shape, use_compile):
+def qkv_epilogue_kwargs(shape: Shape, epilogue: str) -> dict:
+    """F4's arguments for `epilogue`: RoPE alone, with Qwen2's QKV bias (of the GEMM output's scale,
+    so that it matters), with Qwen3's QK-norm (norm weights far from 1), or with both."""
+    kwargs = dict(head_dim=shape.head_dim, rope_heads=shape.n_heads + shape.n_kv_heads, rope=ROPES["llama3"])
+    if "bias" in epilogue:
+        kwargs["bias"] = randn(shape.qkv_dim, scale=shape.dim**0.5)
+    if "qknorm" in epilogue:
+        kwargs.update(q_heads=shape.n_heads, q_weight=gamma(shape.head_dim), k_weight=gamma(shape.head_dim),
+                      eps=1e-6)
+    return kwargs
+
+
+@pytest.mark.parametrize("epilogue", ["rope", "bias", "qknorm", "bias-qknorm"])
+def test_gemm_rstd_rope_stage(ref, cute, shape, use_compile, epilogue):
+    """F4 on FP8 operands; with the QK-norm, qkv and the pre-norm z of the q and k columns (the cute
+    stage writes z as its pairs' two column planes, `QkNormOut`)."""
     h, w = operand(randn(shape.tokens, shape.dim)), operand(randn(shape.qkv_dim, shape.dim))
     rstd, pos = rstd_of(shape.tokens), positions(shape)
-    kwargs = dict(head_dim=shape.head_dim, rope_heads=shape.n_heads + shape.n_kv_heads, rope=ROPES["llama3"])
-    bf16 = ref.gemm_rstd_rope(h, w, rstd, pos, **kwargs)
-    fp32 = ref.gemm_rstd_rope(as_fp32(h), as_fp32(w), rstd, pos, **kwargs)
-    check("qkv", staged(lambda *args: cute.gemm_rstd_rope(*args, **kwargs), use_compile)(h, w, rstd, pos),
-          bf16, fp32)
+    kwargs = qkv_epilogue_kwargs(shape, epilogue)
+    stage = "gemm_rstd_qknorm_rope" if "qknorm" in epilogue else "gemm_rstd_rope"
+    bf16 = getattr(ref, stage)(h, w, rstd, pos, **kwargs)
+    fp32 = getattr(ref, stage)(as_fp32(h), as_fp32(w), rstd, pos, **kwargs)
+    out = staged(lambda *args: getattr(cute, stage)(*args, **kwargs), use_compile)(h, w, rstd, pos)
+    if "qknorm" not in epilogue:
+        check("qkv", out, bf16, fp32)
+        return
+    check("qkv", out.qkv, bf16.qkv, fp32.qkv)
+    rope_cols = kwargs["rope_heads"] * shape.head_dim
+    assert out.z.shape == (2, shape.tokens, shape.qkv_dim // 2)
+    z = torch.stack((out.z[0], out.z[1]), dim=-1).flatten(1)
+    check("z", z[:, :rope_cols], bf16.z, fp32.z)
+    assert torch.equal(z[:, rope_cols:], out.qkv[:, rope_cols:])  # v: what the norm and RoPE pass
 
 
 @pytest.mark.parametrize("scaling", SCALINGS)
@@ -336,7 +360,7 @@ def test_fp8_fast_accum_everywhere(ref, shape, stage):
         "F1": lambda: test_gemm_residual_rms_stage(ref, fast, shape, "out_proj", "delayed", False),
         "F2": lambda: test_gemm_rstd_swiglu_stage(ref, fast, shape, False),
         "F3": lambda: test_gemm_residual_rms_stage(ref, fast, shape, "down_proj", "current", False),
-        "F4": lambda: test_gemm_rstd_rope_stage(ref, fast, shape, False),
+        "F4": lambda: test_gemm_rstd_rope_stage(ref, fast, shape, False, "rope"),
         "Brms_gate_up": lambda: rms_bwd_stage(ref, fast, shape, "gate_up", True, False, "dx_both"),
         "Brms_qkv": lambda: rms_bwd_stage(ref, fast, shape, "qkv", False, False, "dx_rows"),
         "Bdswiglu": lambda: test_gemm_dswiglu_fp8_stage(ref, fast, shape, False, "both_delayed"),

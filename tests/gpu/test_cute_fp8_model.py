@@ -39,6 +39,14 @@ CASES = {
     "llama3_1b-L2": (dataclasses.replace(get_preset("llama3_1b"), n_layers=2), 2, 1024),
     "gqa4-small-L3": (LlamaConfig(dim=256, n_layers=3, n_heads=4, n_kv_heads=1, ffn_dim=704, vocab_size=1000,
                                   rope_theta=10000.0), 2, 200),
+    # Qwen2's QKV bias (F4's FP8 bias epilogue; its gradient from the unrounded dz) and Qwen3's
+    # QK-norm (F4's FP8 QK-norm epilogue; dz quantized after its backward), tied heads.
+    "qwen2-bias-L3": (LlamaConfig(dim=256, n_layers=3, n_heads=4, n_kv_heads=1, ffn_dim=704,
+                                  vocab_size=1000, rope_theta=1000000.0, family="qwen2", qkv_bias=True,
+                                  tie_embeddings=True), 2, 200),
+    "qwen3-qknorm-L3": (LlamaConfig(dim=256, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=704,
+                                    vocab_size=1000, rope_theta=1000000.0, norm_eps=1e-6, family="qwen3",
+                                    qk_norm=True, tie_embeddings=True), 2, 200),
 }
 
 

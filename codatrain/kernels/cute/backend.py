@@ -77,6 +77,14 @@ def _ab_inv_scale(a: Fp8Tensor, b: Fp8Tensor) -> torch.Tensor:
     return (a.scale * b.scale).reciprocal()
 
 
+def _bias_for(dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """An FP8 stage's QKV bias, which must be in the dtype of the outputs (the FP8 operands'
+    nominal dtype), as a 16-bit stage's bias is in its activations'."""
+    if bias is not None and bias.dtype != dtype:
+        raise TypeError(f"cute FP8 QKV stage: the bias must be {dtype} like the outputs, got {bias.dtype}")
+    return bias
+
+
 def _maybe_quantize(x: torch.Tensor, to: QuantizeTo | None) -> torch.Tensor | Fp8Tensor:
     # The stages build their outputs anew around this rather than `NamedTuple._replace`, which
     # torch 2.11's dynamo cannot return from a compiled region.
@@ -198,12 +206,10 @@ class CuteStages(StageBackend):
     ) -> torch.Tensor:
         if isinstance(h, Fp8Tensor):
             _check_fp8("gemm_rstd_rope", h, weight)
-            if bias is not None:
-                raise ValueError("cute gemm_rstd_rope: FP8 operands take no QKV bias")
             qkv = empty(h.shape[0], weight.shape[0], like=rstd, dtype=h.dtype)
-            fp8_stages.fp8_gemm_rstd_rope(h.data, weight.data, _ab_inv_scale(h, weight), rstd, positions, qkv,
-                                          head_dim, rope_heads, *gemm_stages.rope_args(rope),
-                                          self.fp8_fast_accum)
+            fp8_stages.fp8_gemm_rstd_rope(h.data, weight.data, _ab_inv_scale(h, weight), rstd, positions,
+                                          _bias_for(h.dtype, bias), qkv, head_dim, rope_heads,
+                                          *gemm_stages.rope_args(rope), self.fp8_fast_accum)
             return qkv
         _check_activations("gemm_rstd_rope", h, weight, *([] if bias is None else [bias]))
         qkv = empty(h.shape[0], weight.shape[0], like=h)
@@ -228,11 +234,20 @@ class CuteStages(StageBackend):
         eps: float,
         bias: torch.Tensor | None = None,
     ) -> QkNormOut:
+        m, n = h.shape[0], weight.shape[0]
         if isinstance(h, Fp8Tensor):
-            raise TypeError("cute gemm_rstd_qknorm_rope: the QK-norm epilogue takes no FP8 operands")
+            _check_fp8("gemm_rstd_qknorm_rope", h, weight)
+            _check_activations("gemm_rstd_qknorm_rope", q_weight, k_weight, *([] if bias is None else [bias]))
+            qkv = empty(m, n, like=rstd, dtype=h.dtype)
+            z_pairs = empty(2, m, n // 2, like=rstd, dtype=h.dtype)
+            fp8_stages.fp8_gemm_rstd_qknorm_rope(
+                h.data, weight.data, _ab_inv_scale(h, weight), rstd, positions, _bias_for(h.dtype, bias),
+                q_weight, k_weight, qkv, z_pairs, head_dim, q_heads, rope_heads, eps,
+                *gemm_stages.rope_args(rope), self.fp8_fast_accum,
+            )
+            return QkNormOut(qkv, z_pairs)
         _check_activations("gemm_rstd_qknorm_rope", h, weight, q_weight, k_weight,
                            *([] if bias is None else [bias]))
-        m, n = h.shape[0], weight.shape[0]
         qkv, z_pairs = empty(m, n, like=h), empty(2, m, n // 2, like=h)
         gemm_stages.gemm_rstd_qknorm_rope(
             h, weight, rstd, positions, bias, q_weight, k_weight, qkv, z_pairs, head_dim, q_heads, rope_heads,

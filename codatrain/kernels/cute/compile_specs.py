@@ -220,6 +220,14 @@ def _fp8_forward_kernels(s: KernelShapes) -> list[KernelSpec]:
     writes the LM head's h in the activation dtype, the current-scaling kernel."""
     st, m, d, f = CuteStages(s.fp8_fast_accum), _tokens(s), s.dim, s.ffn_dim
     rope = {"head_dim": s.head_dim, "rope_heads": s.n_heads + s.n_kv_heads, "rope": _ANY_ROPE}
+    if s.qkv_bias:
+        rope["bias"] = _act(_qkv_dim(s))
+
+    def qkv():
+        inputs = (_fp8(m, d), _fp8_weight(_qkv_dim(s), d), _stat(m), _index(m))
+        if s.qk_norm:
+            return st.gemm_rstd_qknorm_rope(*inputs, **rope, **_qk_norm(s))
+        return st.gemm_rstd_rope(*inputs, **rope)
 
     def residual_rms(k: int, h_fp8: QuantizeTo) -> object:
         return st.gemm_residual_rms(_fp8(m, k), _fp8_weight(d, k), _act(m, d), _act(d), h_fp8=h_fp8)
@@ -245,10 +253,8 @@ def _fp8_forward_kernels(s: KernelShapes) -> list[KernelSpec]:
             "F2 gate/up on FP8 operands · rstd + SwiGLU, y quantized",
             lambda: st.gemm_rstd_swiglu(_fp8(m, d), _fp8_weight(2 * f, d), _stat(m), y_fp8=_delayed(E4M3)),
         ),
-        KernelSpec(
-            "F4 QKV on FP8 operands · rstd + RoPE",
-            lambda: st.gemm_rstd_rope(_fp8(m, d), _fp8_weight(_qkv_dim(s), d), _stat(m), _index(m), **rope),
-        ),
+        KernelSpec("F4 QKV on FP8 operands · rstd + QK-norm + RoPE" if s.qk_norm
+                   else "F4 QKV on FP8 operands · rstd + RoPE", qkv),
     ]
 
 

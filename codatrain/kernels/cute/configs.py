@@ -64,6 +64,8 @@ _CONFIGS: dict[str, GemmConfig] = {
     "fp8_residual_rms": _COOPERATIVE_128x128,  # F1 and F3
     "fp8_rstd_swiglu": _PINGPONG_128x128,  # F2, fast accumulation
     "fp8_rstd_rope": _PINGPONG_128x128,  # F4, fast accumulation
+    # F4 with the QK-norm: 128-column tiles hold whole heads, as in bf16 (pingpong on fast accumulation)
+    "fp8_rstd_qknorm_rope": _COOPERATIVE_128x128,
     # FP8 backward (fp8_bwd_stages.py)
     "fp8_rms_bwd": _COOPERATIVE_128x112,  # norm backward in the gate/up and QKV dgrads
     "fp8_dswiglu": _COOPERATIVE_128x112,  # dSwiGLU in the down-projection's dgrad
@@ -72,11 +74,12 @@ _CONFIGS: dict[str, GemmConfig] = {
 # whose outputs still meet the stage tests' criterion with it (tests/gpu/test_cute_fp8_backend.py).
 # F1/F3's Σx² and the backward stages' dγ and Σ g·dg + u·du do not (docs/benchmarks.md, "FP8 fast
 # accumulation"); they take it only when a run asks (block.fp8_fast_accum), in these tiles.
-FP8_FAST_ACCUM = frozenset({"fp8_rstd_swiglu", "fp8_rstd_rope"})
+FP8_FAST_ACCUM = frozenset({"fp8_rstd_swiglu", "fp8_rstd_rope", "fp8_rstd_qknorm_rope"})
 _FP8_FAST_CONFIGS: dict[str, GemmConfig] = {
     "fp8_residual_rms": _PINGPONG_128x128,
     "fp8_rms_bwd": _PINGPONG_128x128,
     "fp8_dswiglu": _PINGPONG_128x128,
+    "fp8_rstd_qknorm_rope": _PINGPONG_128x128,
 }
 _overrides: dict[str, tuple[GemmConfig, bool | None]] = {}
 

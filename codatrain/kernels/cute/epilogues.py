@@ -53,6 +53,16 @@ def rstd_swiglu_epi(acc, rstd):
     return {"D": pack(g, u), "postact": swiglu(g, u)}
 
 
+def rotate_pair(x1, x2, pos, freq):
+    """The adjacent pair (x1, x2) rotated by pos·freq turns, as QuACK's `rstd_rope_posfreq_epi`
+    rotates it (the angle as a float-float sum of freq's (hi, lo) pair); a packed pair."""
+    fh, fl = unpack(freq)
+    t = pos * fh
+    lo = cute.math.fma(pos, fl, cute.math.fma(pos, fh, -t))
+    s, c = sincos_turns(t, lo)
+    return pack(x1 * c - x2 * s, x1 * s + x2 * c)
+
+
 @gemm_epilogue(
     ops={"pos": ColVecLoad("pos"), "freq": RowVecLoad("freq"), "rstd": ColVecLoad("rstd"),
          "bias": RowVecLoad("bias")},
@@ -61,39 +71,38 @@ def rstd_swiglu_epi(acc, rstd):
 def rstd_bias_rope_epi(acc, pos, freq, rstd, bias):
     """F4 with a QKV bias (Qwen2): QuACK's `rstd_rope_posfreq_epi` with the bias added after the
     row scale and before the rotation: z = rstd ⊙ acc + bias, then adjacent pairs rotated by
-    pos·freq turns (the angle as a float-float sum, as QuACK forms it)."""
+    pos·freq turns."""
     x1, x2 = unpack(acc * rstd + bias)
-    fh, fl = unpack(freq)
-    t = pos * fh
-    lo = cute.math.fma(pos, fl, cute.math.fma(pos, fh, -t))
-    s, c = sincos_turns(t, lo)
-    return {"D": pack(x1 * c - x2 * s, x1 * s + x2 * c)}
+    return {"D": rotate_pair(x1, x2, pos, freq)}
 
 
-def _norm_rope(z, pos, freq, head_rstd, norm_weight):
+def norm_rope(z, pos, freq, head_rstd, norm_weight):
     """The QK-norm and RoPE of F4's pre-norm pair z: q and k columns become z·r·γ (r their head's
     rstd, γ = norm_weight), v columns stay z (γ 0, passthrough 1); then adjacent pairs rotate by
-    pos·freq turns as in `rstd_bias_rope_epi`. z is also written, as the two lanes of each pair:
-    the backward reads it.
+    pos·freq turns (`rotate_pair`). z is also written, as the two lanes of each pair: the
+    backward reads it.
 
     The v columns are told apart by their frequency, 0 there and at least ~1e-10 turns on every q
     and k column (any θ < 1e20, any RoPE scaling): one per-column vector fewer than a passthrough
     operand, in an epilogue whose registers spill (scripts/kernel_report.py)."""
-    fh, fl = unpack(freq)
+    fh, _ = unpack(freq)
     passthrough = 1.0 - cute.arch.fmin(fh * 1e30, 1.0)
     x1, x2 = unpack(z * (head_rstd * norm_weight + passthrough))
     z1, z2 = unpack(z)
-    t = pos * fh
-    lo = cute.math.fma(pos, fl, cute.math.fma(pos, fh, -t))
-    s, c = sincos_turns(t, lo)
-    return {"D": pack(x1 * c - x2 * s, x1 * s + x2 * c), "z_even": z1, "z_odd": z2}
+    return {"D": rotate_pair(x1, x2, pos, freq), "z_even": z1, "z_odd": z2}
+
+
+def qknorm_ops() -> dict:
+    """The operands of a QK-norm epilogue but its statistic: position, frequency, rstd and the
+    per-column norm weight."""
+    return {"pos": ColVecLoad("pos"), "freq": RowVecLoad("freq"), "rstd": ColVecLoad("rstd"),
+            "norm_weight": RowVecLoad("norm_weight")}
 
 
 # The per-(row, head) statistic takes ε as a run-time operand rather than as HeadRstd's constant:
 # the prepass sums z² + ε over a head's head_dim columns, whose mean is mean z² + ε, so one kernel
 # serves every model's ε. Each epilogue owns its op instance, as QuACK's library mods do.
-_QKNORM_OPS = {"pos": ColVecLoad("pos"), "freq": RowVecLoad("freq"), "rstd": ColVecLoad("rstd"),
-               "norm_weight": RowVecLoad("norm_weight")}
+_QKNORM_OPS = qknorm_ops()
 _head_rstd = HeadRstd("head_rstd", eps=0.0)
 _head_rstd_bias = HeadRstd("head_rstd", eps=0.0)
 
@@ -112,8 +121,8 @@ def _qknorm_sq_bias(acc, rstd, bias, eps):
                prepass=_qknorm_sq, prepass_outs=("head_rstd",), mode="acc_pair")
 def rstd_qknorm_rope_epi(acc, pos, freq, rstd, head_rstd, norm_weight, eps):
     """F4 with Qwen3's QK-norm: z = rstd ⊙ acc, each q and k head RMS-normed (its rstd from the
-    prepass, `eps` folded into it) and scaled by its norm weight, then RoPE (`_norm_rope`)."""
-    return _norm_rope(acc * rstd, pos, freq, head_rstd, norm_weight)
+    prepass, `eps` folded into it) and scaled by its norm weight, then RoPE (`norm_rope`)."""
+    return norm_rope(acc * rstd, pos, freq, head_rstd, norm_weight)
 
 
 @gemm_epilogue(outputs=("z_even", "z_odd"),
@@ -121,7 +130,7 @@ def rstd_qknorm_rope_epi(acc, pos, freq, rstd, head_rstd, norm_weight, eps):
                prepass=_qknorm_sq_bias, prepass_outs=("head_rstd",), mode="acc_pair")
 def rstd_bias_qknorm_rope_epi(acc, pos, freq, rstd, bias, head_rstd, norm_weight, eps):
     """`rstd_qknorm_rope_epi` with a QKV bias added before the norm: z = rstd ⊙ acc + bias."""
-    return _norm_rope(acc * rstd + bias, pos, freq, head_rstd, norm_weight)
+    return norm_rope(acc * rstd + bias, pos, freq, head_rstd, norm_weight)
 
 
 @gemm_epilogue(ops={"rstd": ColVecLoad("rstd")})

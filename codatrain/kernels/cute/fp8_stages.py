@@ -22,17 +22,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import cutlass.cute as cute
 import torch
 from quack.activation import swiglu
 from quack.dsl.torch_library_op import cute_op
 from quack.epilogue.frontend import EpiMod, pack, unpack
+from quack.epilogue.head_rmsnorm import HeadRstd
 from quack.epilogue.ops import ColVecLoad, ColVecReduce, RowVecLoad, Scalar
 from torch import Tensor
 
+from codatrain.kernels.cute.common import aligned16
 from codatrain.kernels.cute.configs import fp8_stage_config
-from codatrain.kernels.cute.gemm_stages import rope_freq
-from codatrain.kernels.cute.pins import FastAccumEpiMod, sincos_turns
+from codatrain.kernels.cute.epilogues import norm_rope, qknorm_ops, rotate_pair
+from codatrain.kernels.cute.gemm_stages import column_norm_weight, rope_freq
+from codatrain.kernels.cute.pins import FastAccumEpiMod
 
 
 class Fp8Epilogue:
@@ -123,34 +125,92 @@ def fp8_gemm_rstd_swiglu(
     )
 
 
-@fp8_epilogue(
-    ops={"pos": ColVecLoad("pos"), "freq": RowVecLoad("freq"), "rstd": ColVecLoad("rstd"),
-         "ab_inv_scale": Scalar("ab_inv_scale")},
-    mode="acc_pair",
-)
+_ROPE_OPS = {"pos": ColVecLoad("pos"), "freq": RowVecLoad("freq"), "rstd": ColVecLoad("rstd"),
+             "ab_inv_scale": Scalar("ab_inv_scale")}
+
+
+@fp8_epilogue(ops=_ROPE_OPS, mode="acc_pair")
 def fp8_rstd_rope_epi(acc, pos, freq, rstd, ab_inv_scale):
     """F4 on FP8 operands: QuACK's `rstd_rope_posfreq_epi` (rows scaled by rstd, adjacent pairs
     rotated by pos·freq turns, the angle as a float-float sum) with the sum scaled by 1/(s_a·s_b)."""
     x1, x2 = unpack(acc * (rstd * ab_inv_scale))
-    fh, fl = unpack(freq)
-    t = pos * fh
-    lo = cute.math.fma(pos, fl, cute.math.fma(pos, fh, -t))
-    s, c = sincos_turns(t, lo)
-    return {"D": pack(x1 * c - x2 * s, x1 * s + x2 * c)}
+    return {"D": rotate_pair(x1, x2, pos, freq)}
+
+
+@fp8_epilogue(ops={**_ROPE_OPS, "bias": RowVecLoad("bias")}, mode="acc_pair")
+def fp8_rstd_bias_rope_epi(acc, pos, freq, rstd, ab_inv_scale, bias):
+    """F4 with a QKV bias (Qwen2) on FP8 operands: z = rstd ⊙ acc/(s_a·s_b) + bias, then RoPE."""
+    x1, x2 = unpack(acc * (rstd * ab_inv_scale) + bias)
+    return {"D": rotate_pair(x1, x2, pos, freq)}
+
+
+# Qwen3's QK-norm on FP8 operands: the bf16 stage's epilogues (epilogues.rstd_qknorm_rope_epi) with
+# the sum scaled by 1/(s_a·s_b) before the head statistic's prepass, which must see the same z.
+def _fp8_qknorm_sq(acc, rstd, ab_inv_scale, eps):
+    z = acc * (rstd * ab_inv_scale)
+    return {"head_rstd": z * z + eps}
+
+
+def _fp8_qknorm_sq_bias(acc, rstd, ab_inv_scale, bias, eps):
+    z = acc * (rstd * ab_inv_scale) + bias
+    return {"head_rstd": z * z + eps}
+
+
+@fp8_epilogue(outputs=("z_even", "z_odd"),
+              ops={**qknorm_ops(), "ab_inv_scale": Scalar("ab_inv_scale"),
+                   "head_rstd": HeadRstd("head_rstd", eps=0.0)},
+              prepass=_fp8_qknorm_sq, prepass_outs=("head_rstd",), mode="acc_pair")
+def fp8_rstd_qknorm_rope_epi(acc, pos, freq, rstd, ab_inv_scale, head_rstd, norm_weight, eps):
+    """F4 with the QK-norm on FP8 operands: z = rstd ⊙ acc/(s_a·s_b), each q and k head RMS-normed
+    and scaled by its norm weight, then RoPE; z written as its pairs' two lanes (`norm_rope`)."""
+    return norm_rope(acc * (rstd * ab_inv_scale), pos, freq, head_rstd, norm_weight)
+
+
+@fp8_epilogue(outputs=("z_even", "z_odd"),
+              ops={**qknorm_ops(), "ab_inv_scale": Scalar("ab_inv_scale"), "bias": RowVecLoad("bias"),
+                   "head_rstd": HeadRstd("head_rstd", eps=0.0)},
+              prepass=_fp8_qknorm_sq_bias, prepass_outs=("head_rstd",), mode="acc_pair")
+def fp8_rstd_bias_qknorm_rope_epi(acc, pos, freq, rstd, ab_inv_scale, bias, head_rstd, norm_weight, eps):
+    """`fp8_rstd_qknorm_rope_epi` with a QKV bias added before the norm."""
+    return norm_rope(acc * (rstd * ab_inv_scale) + bias, pos, freq, head_rstd, norm_weight)
 
 
 @cute_op("codatrain::cute_fp8_gemm_rstd_rope", mutates_args=("qkv",), device_types="cuda")
 def fp8_gemm_rstd_rope(
-    h: Tensor, weight: Tensor, ab_inv_scale: Tensor, rstd: Tensor, positions: Tensor, qkv: Tensor,
-    head_dim: int, rope_heads: int, rope_theta: float, rope_type: str, rope_factor: float,
+    h: Tensor, weight: Tensor, ab_inv_scale: Tensor, rstd: Tensor, positions: Tensor, bias: Tensor | None,
+    qkv: Tensor, head_dim: int, rope_heads: int, rope_theta: float, rope_type: str, rope_factor: float,
     rope_low_freq_factor: float, rope_high_freq_factor: float, rope_original_max_positions: int,
     fast_accum: bool,
 ) -> None:
-    """qkv = rope(rstd ⊙ (h·Wᵀ)/(s_h·s_w)), h (M, d) and weight (N_qkv, d) FP8; the rope_*
+    """qkv = rope(rstd ⊙ (h·Wᵀ)/(s_h·s_w) [+ bias]), h (M, d) and weight (N_qkv, d) FP8; the rope_*
     arguments as in `gemm_stages.gemm_rstd_rope`."""
     freq = rope_freq(head_dim, rope_heads, weight.shape[0], h.device, rope_theta, rope_type, rope_factor,
                      rope_low_freq_factor, rope_high_freq_factor, rope_original_max_positions)
-    fp8_rstd_rope_epi(
-        "fp8_rstd_rope", fast_accum, h, weight.t(), out={"D": qkv}, pos=positions.to(torch.float32),
-        freq=freq, rstd=rstd, ab_inv_scale=ab_inv_scale,
-    )
+    operands = {"pos": positions.to(torch.float32), "freq": freq, "rstd": rstd, "ab_inv_scale": ab_inv_scale}
+    epilogue = fp8_rstd_rope_epi
+    if bias is not None:
+        epilogue, operands["bias"] = fp8_rstd_bias_rope_epi, aligned16(bias)
+    epilogue("fp8_rstd_rope", fast_accum, h, weight.t(), out={"D": qkv}, **operands)
+
+
+@cute_op("codatrain::cute_fp8_gemm_rstd_qknorm_rope", mutates_args=("qkv", "z_pairs"), device_types="cuda")
+def fp8_gemm_rstd_qknorm_rope(
+    h: Tensor, weight: Tensor, ab_inv_scale: Tensor, rstd: Tensor, positions: Tensor, bias: Tensor | None,
+    q_weight: Tensor, k_weight: Tensor, qkv: Tensor, z_pairs: Tensor, head_dim: int, q_heads: int,
+    rope_heads: int, eps: float, rope_theta: float, rope_type: str, rope_factor: float,
+    rope_low_freq_factor: float, rope_high_freq_factor: float, rope_original_max_positions: int,
+    fast_accum: bool,
+) -> None:
+    """`gemm_stages.gemm_rstd_qknorm_rope` on FP8 operands h (M, d) and weight (N_qkv, d), the sum
+    scaled by 1/(s_h·s_w): qkv and the pre-norm z's column planes z_pairs (2, M, N/2)."""
+    n = weight.shape[0]
+    freq = rope_freq(head_dim, rope_heads, n, h.device, rope_theta, rope_type, rope_factor,
+                     rope_low_freq_factor, rope_high_freq_factor, rope_original_max_positions)
+    operands = {"pos": positions.to(torch.float32), "freq": freq, "rstd": rstd, "ab_inv_scale": ab_inv_scale,
+                "head_rstd": head_dim, "eps": eps,
+                "norm_weight": column_norm_weight(q_weight, k_weight, q_heads, rope_heads, n)}
+    epilogue = fp8_rstd_qknorm_rope_epi
+    if bias is not None:
+        epilogue, operands["bias"] = fp8_rstd_bias_qknorm_rope_epi, aligned16(bias)
+    epilogue("fp8_rstd_qknorm_rope", fast_accum, h, weight.t(),
+             out={"D": qkv, "z_even": z_pairs[0], "z_odd": z_pairs[1]}, **operands)
