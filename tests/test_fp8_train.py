@@ -172,6 +172,21 @@ def test_the_plan_takes_fp8_on_the_cute_stages_at_widths_of_whole_fp8_rows_and_n
     assert not plan.fp8.fast_accum and "fast accumulation" not in plan.header()[0]
 
 
+@pytest.mark.parametrize("family, key", [(["model.family=qwen2", "model.qkv_bias=true"], "qkv_bias"),
+                                         (["model.family=qwen3", "model.qk_norm=true"], "qk_norm")])
+def test_fp8_qwen_models_train_on_the_reference_stages_and_wait_for_a_gpu_check_on_the_cute_ones(family, key):
+    """Qwen2's QKV bias and Qwen3's QK-norm with FP8 layer GEMMs: the reference stages run them; the
+    cute stages' FP8 kernels for them are built (test_precompile.py) but refused by the plan until
+    their GPU tests have run."""
+    plan = build_run_plan(validate(load_config([*FP8, *family])), torch.device("cpu"))
+    assert plan.fp8 is not None and not plan.block.cute_stages
+    with pytest.raises(ValueError, match=rf"^block.precision=fp8 with model.{key}=true does not run on "
+                                         r"block.backend=cute yet: its FP8 kernels are built but not yet "
+                                         r"checked against the reference on a GPU"):
+        build_run_plan(validate(load_config(["block=coda", "block.backend=cute", "block.precision=fp8",
+                                             *family])), None)
+
+
 def test_fp8_fast_accumulation_reaches_the_cute_stages_and_the_kernel_cache_key():
     """block.fp8_fast_accum=true: the recipe says so in the run header, the plan's cute stages run
     every FP8 stage on fast accumulation (their kernels differ: the cache key names it), and the

@@ -148,6 +148,14 @@ def build_run_plan(run: RunConfig, device: torch.device | None, world_size: int 
                or float8_problem(run.train.float8, block.impl, device))
     if problem:
         raise ValueError(problem)
+    if fp8 is not None and block.cute_stages and (model_cfg.qkv_bias or model_cfg.qk_norm):
+        # F4's FP8 QKV-bias and QK-norm epilogues (Qwen2, Qwen3) compile for sm_90a and have GPU
+        # tests (tests/gpu/test_cute_fp8_backend.py, test_cute_fp8_model.py) that have not run yet:
+        # no job trains on them until those pass.
+        key = "qk_norm" if model_cfg.qk_norm else "qkv_bias"
+        raise ValueError(f"block.precision=fp8 with model.{key}=true does not run on block.backend=cute yet: "
+                         "its FP8 kernels are built but not yet checked against the reference on a GPU; use "
+                         "block.precision=bf16, or block.backend=reference")
     tcfg = run.train
     micro_batch_tokens = tcfg.micro_batch_size * data.seq_len
     if fp8 is not None and block.cute_stages and micro_batch_tokens % FP8_ROW_MULTIPLE:
