@@ -1,10 +1,15 @@
 """What each QuACK GEMM kernel of a training config compiles to for Hopper (sm_90a), on any machine,
 GPU or not: its CTA tile, the depth of its A/B pipeline (k-tiles in flight: QuACK gives the pipeline
-the shared memory its epilogue leaves) and the register spills in its SASS (local-memory stores and
-loads, STL / LDL instructions per thread). For choosing tile configs
+the shared memory its epilogue leaves), the register spills in its SASS (local-memory stores and
+loads, STL / LDL instructions per thread) and a digest of that SASS. For choosing tile configs
 (codatrain/kernels/cute/configs.py) before a GPU run: docs/benchmarks.md, "FP8 backward tiles".
 
     python scripts/kernel_report.py model=llama3_8b block.precision=fp8 [--json report.json]
+
+The digest hashes the kernel's instructions alone, not its name (which carries QuACK's fingerprint
+of the epilogue's source): a change that should leave a kernel's machine code as it was (a refactor
+of an epilogue, a helper moved) keeps its digest, which two trees' reports of the same config show
+without a GPU.
 
 Takes the overrides of scripts/train.py (block defaults to coda). Compiles the config's stage
 kernels (FA4's are not QuACK GEMMs) in a process of its own, into a fresh temporary cache so that
@@ -13,6 +18,7 @@ every kernel is built rather than loaded, launching nothing (a minute or two on 
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -30,9 +36,19 @@ from codatrain.train.plan import target_plan
 _SPILL_STORE, _SPILL_LOAD = re.compile(r"\bSTL(\.\w+)*\s"), re.compile(r"\bLDL(\.\w+)*\s")
 
 
+# An instruction line: its address as a comment, then the instruction.
+_INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(.+?)\s*$", re.MULTILINE)
+
+
 def spills(sass: str) -> tuple[int, int]:
     """(local-memory store instructions, load instructions) in a kernel's SASS."""
     return len(_SPILL_STORE.findall(sass)), len(_SPILL_LOAD.findall(sass))
+
+
+def sass_digest(sass: str) -> str:
+    """The first 12 hex digits of the SHA-256 of a kernel's SASS instructions, in order (section,
+    symbol and kernel names left out)."""
+    return hashlib.sha256("\n".join(_INSTRUCTION.findall(sass)).encode()).hexdigest()[:12]
 
 
 def compile_and_report(shapes: KernelShapes, dump_dir: Path) -> list[dict]:
@@ -64,9 +80,11 @@ def compile_and_report(shapes: KernelShapes, dump_dir: Path) -> list[dict]:
         compile_specs([spec], HOPPER_SMS, log=lambda line: print(line, file=sys.stderr, flush=True))
         for kernel in built:
             # A kernel's files are named after its module path and class: ...frontend<class>_...
-            sass = [path.read_text() for path in dump_dir.glob("*.sass") if kernel["kernel"] in path.name]
-            stores, loads = spills("".join(sass)) if sass else (None, None)
-            report.append({"spec": spec.name, **kernel, "spill_stores": stores, "spill_loads": loads})
+            sass = "".join(path.read_text() for path in sorted(dump_dir.glob("*.sass"))
+                           if kernel["kernel"] in path.name)
+            stores, loads = spills(sass) if sass else (None, None)
+            report.append({"spec": spec.name, **kernel, "spill_stores": stores, "spill_loads": loads,
+                           "sass_digest": sass_digest(sass) if sass else None})
     return report
 
 
@@ -98,12 +116,12 @@ def main(argv: list[str]) -> int | str:
         return f"error: the compile process failed:\n{proc.stderr[-5000:]}"
     report = json.loads(proc.stdout.splitlines()[-1])
     print(f"{'kernel (the first kernel spec that builds it)':<60} {'CTA tile':>12} {'A/B stages':>10} "
-          f"{'spill st/ld':>12}")
+          f"{'spill st/ld':>12} {'SASS digest':>12}")
     for row in report:
         name = f"{row['kernel'].removeprefix('GemmMod_')[:28]} ({row['spec'][:28]})"
         tile = "×".join(str(n) for n in row["cta_tile"])
         spilled = "?" if row["spill_stores"] is None else f"{row['spill_stores']}/{row['spill_loads']}"
-        print(f"{name:<60} {tile:>12} {row['ab_stages']:>10} {spilled:>12}")
+        print(f"{name:<60} {tile:>12} {row['ab_stages']:>10} {spilled:>12} {row['sass_digest'] or '?':>12}")
     if args.json:
         args.json.write_text(json.dumps({"overrides": args.overrides, "kernels": report}, indent=1))
     return 0

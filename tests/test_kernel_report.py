@@ -14,7 +14,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
-from kernel_report import spills  # noqa: E402
+from kernel_report import sass_digest, spills  # noqa: E402
 
 SASS = """
         /*2570*/                   STL [R1+0x88], R2                                        (*"SpillRefill"*);
@@ -32,6 +32,17 @@ SASS = """
 def test_spills_count_local_memory_stores_and_loads_only():
     assert spills(SASS) == (2, 2)
     assert spills("") == (0, 0)
+
+
+def test_the_sass_digest_reads_the_instructions_and_not_the_kernel_name():
+    """Two builds of one kernel from epilogue sources that differ (QuACK names the kernel by their
+    fingerprint) but compile alike have one digest; another instruction, or an operand, changes it."""
+    named = ("//---- .text.kernel_GemmMod_rstd_bias_rope_epi_{0}_sm90 ----\n"
+             ".text.kernel_GemmMod_rstd_bias_rope_epi_{0}:\n")
+    first, second = named.format("4fbec4d2") + SASS, named.format("ab0eb2ae") + SASS
+    assert sass_digest(first) == sass_digest(second) != sass_digest("")
+    assert sass_digest(first) != sass_digest(first.replace("STS [R5], R6", "STS [R5], R7"))
+    assert sass_digest(first) != sass_digest(first + "        /*3580*/                   NOP ;\n")
 
 
 def test_a_block_without_stages_is_refused_by_name():
